@@ -1,0 +1,50 @@
+"""The ``nobubble`` command line: one parser, one function per subcommand.
+
+User errors (``ValueError``, ``TypeError``, ``FileNotFoundError``) print one clear line to stderr
+and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from nobubble import __version__
+from nobubble.cli import schedule_cmds
+
+log = logging.getLogger("nobubble")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nobubble",
+        description="Pipeline-parallel LM pretraining with synchronous and asynchronous schedules.",
+    )
+    parser.add_argument("--version", action="version", version=f"nobubble {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    schedule_cmds.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"nobubble {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `nobubble ... | head`: the reader left, not an error
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print(f"nobubble {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,111 @@
+"""The optimizer's configuration: one frozen dataclass, validated on construction.
+
+The defaults follow the recipe of arXiv 2606.30634 (weight decay 0.1, clipping 1.0, warmup 10 %
+then cosine to 0.1x peak, AdamW betas (0.9, 0.95), Muon momentum 0.95).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "nadam", "lion")
+
+# Betas used when `OptimConfig.betas` is None. Lion's own paper (arXiv 2302.06675) recommends
+# (0.9, 0.99); the Adam family uses the LM-pretraining default (0.9, 0.95).
+DEFAULT_BETAS: dict[str, tuple[float, float]] = {
+    "adamw": (0.9, 0.95),
+    "muon": (0.9, 0.95),  # for the AdamW side of Muon (embeddings, head, norms)
+    "nadam": (0.9, 0.95),
+    "lion": (0.9, 0.99),
+}
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_real(name: str, value: object, low: float, high: float, *, open_low: bool) -> None:
+    """Raise ValueError unless `value` is a finite number in (low, high] or [low, high]."""
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    v = float(value)  # type: ignore[arg-type]
+    too_low = v <= low if open_low else v < low
+    if not math.isfinite(v) or too_low or v > high:
+        bracket = "(" if open_low else "["
+        allowed = f"{bracket}{low}, {high}]"
+        raise ValueError(f"{name}={value!r} is not allowed: use a finite value in {allowed}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """How one pipeline stage updates its parameters.
+
+    Fields:
+        name: one of OPTIMIZERS. "muon" runs torch.optim.Muon on the 2-D hidden matrices and AdamW
+            on everything else (see `route_parameters`).
+        lr: peak learning rate of the schedule. For "muon" it is the AdamW-side lr, and Muon uses
+            the same value with its update RMS matched to AdamW (`adjust_lr_fn="match_rms_adamw"`,
+            i.e. the Muon lr is scaled by 0.2 * sqrt(max(rows, cols))), so one lr serves both.
+        weight_decay: decoupled weight decay, applied to 2-D tensors only (norm weights get 0).
+        betas: (beta1, beta2) of AdamW / NAdam / Lion; None picks DEFAULT_BETAS[name], which is
+            (0.9, 0.95) for the Adam family and (0.9, 0.99) for Lion.
+        eps: denominator epsilon of AdamW / NAdam (Muon keeps torch's own 1e-7 for Newton-Schulz).
+        momentum, nesterov, ns_steps: Muon's momentum, Nesterov flag and Newton-Schulz steps.
+        warmup_frac: fraction of the run spent in linear warmup, in [0, 1).
+        min_lr_ratio: the cosine decays to min_lr_ratio * lr at the last step, in [0, 1].
+        clip_norm: max gradient norm, or None for no clipping.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] | None = None
+    eps: float = 1e-8
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    warmup_frac: float = 0.1
+    min_lr_ratio: float = 0.1
+    clip_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer name={self.name!r} is unknown: use one of {OPTIMIZERS}")
+        _check_real("lr", self.lr, 0.0, math.inf, open_low=True)
+        _check_real("weight_decay", self.weight_decay, 0.0, math.inf, open_low=False)
+        if self.betas is not None:
+            self._check_betas()
+        _check_real("eps", self.eps, 0.0, 1.0, open_low=True)
+        _check_real("momentum", self.momentum, 0.0, 1.0, open_low=False)
+        if self.momentum == 1.0:
+            raise ValueError("momentum=1.0 is not allowed: use a value in [0, 1), e.g. 0.95")
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {self.nesterov!r}")
+        if not isinstance(self.ns_steps, int) or isinstance(self.ns_steps, bool):
+            raise TypeError(f"ns_steps must be an int, got {self.ns_steps!r}")
+        if not 1 <= self.ns_steps < 100:  # torch.optim.Muon refuses 100 or more
+            raise ValueError(f"ns_steps={self.ns_steps} is not allowed: use 1..99 (usually 5)")
+        _check_real("warmup_frac", self.warmup_frac, 0.0, 1.0, open_low=False)
+        if self.warmup_frac == 1.0:
+            raise ValueError(
+                "warmup_frac=1.0 is not allowed (no decay phase left): use a value in [0, 1)"
+            )
+        _check_real("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0, open_low=False)
+        if self.clip_norm is not None:
+            _check_real("clip_norm", self.clip_norm, 0.0, math.inf, open_low=True)
+
+    def _check_betas(self) -> None:
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas={betas!r} is not allowed: use a pair (beta1, beta2)")
+        for i, beta in enumerate(betas):
+            _check_real(f"betas[{i}]", beta, 0.0, 1.0, open_low=False)
+            if beta == 1.0:
+                raise ValueError(f"betas={betas!r} is not allowed: each beta must be < 1")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))  # lists -> tuple
+
+    @property
+    def resolved_betas(self) -> tuple[float, float]:
+        """The betas the optimizer actually uses (explicit, or the default for `name`)."""
+        return self.betas if self.betas is not None else DEFAULT_BETAS[self.name]

@@ -1,0 +1,90 @@
+"""Schedule generators, one per file, built from integers only.
+
+``build_schedule`` is the single entry point: it checks the integers, resolves what M means for
+each schedule (the accumulation factor ``a`` for ``pipedream`` and ``paci``) and calls the
+generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nobubble.ir import Schedule, ScheduleError
+from nobubble.schedules import gpipe, one_f_one_b, paci, pipedream, two_bw
+from nobubble.util import paused_gc
+
+Generator = Callable[[int, int, int, int | None], Schedule]
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    name: str
+    summary: str
+    generate: Generator
+    synchronous: bool
+    uses_accum: bool  # M is the accumulation factor ``a`` (steps every ``a`` backwards)
+    default_accum: int | None  # None: defaults to --microbatches
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    info.name: info
+    for info in (
+        ScheduleInfo(gpipe.NAME, gpipe.SUMMARY, gpipe.generate, True, False, None),
+        ScheduleInfo(one_f_one_b.NAME, one_f_one_b.SUMMARY, one_f_one_b.generate, True, False, None),
+        ScheduleInfo(pipedream.NAME, pipedream.SUMMARY, pipedream.generate, False, True, 1),
+        ScheduleInfo(two_bw.NAME, two_bw.SUMMARY, two_bw.generate, False, False, None),
+        ScheduleInfo(paci.NAME, paci.SUMMARY, paci.generate, False, True, None),
+    )
+}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def schedule_info(name: str) -> ScheduleInfo:
+    if name not in SCHEDULES:
+        raise ScheduleError(
+            f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}"
+        )
+    return SCHEDULES[name]
+
+
+def _check_positive(label: str, flag: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}; set {flag} to 1 or more")
+
+
+def resolve_microbatches(name: str, num_microbatches: int, accum: int | None) -> int:
+    """Micro-batches per optimizer step for schedule ``name``.
+
+    ``pipedream`` and ``paci`` step every ``a`` backwards, so their M is ``a``: ``--accum`` when
+    given, else 1 for ``pipedream`` (the original PipeDream) and ``--microbatches`` for ``paci``
+    (PACI at equal M, the paper's comparison). Other schedules use ``--microbatches``.
+    """
+    info = schedule_info(name)
+    if accum is not None:
+        _check_positive("the accumulation factor a", "--accum", accum)
+    if not info.uses_accum:
+        return num_microbatches
+    if accum is not None:
+        return accum
+    return info.default_accum if info.default_accum is not None else num_microbatches
+
+
+def build_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_steps: int,
+    accum: int | None = None,
+    drain_every: int | None = None,
+) -> Schedule:
+    """Generate schedule ``name`` for P stages, M micro-batches per step and N steps."""
+    info = schedule_info(name)
+    _check_positive("the number of stages P", "--stages", num_stages)
+    _check_positive("the number of micro-batches M", "--microbatches", num_microbatches)
+    _check_positive("the number of steps", "--steps", num_steps)
+    if drain_every is not None:
+        _check_positive("the drain interval", "--drain-every", drain_every)
+    m = resolve_microbatches(name, num_microbatches, accum)
+    with paused_gc():
+        return info.generate(num_stages, m, num_steps, drain_every)

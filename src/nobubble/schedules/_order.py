@@ -1,0 +1,59 @@
+"""Shared building blocks for generators: the 1F1B order of one stage and step insertion."""
+
+from __future__ import annotations
+
+from nobubble.ir import B, F, STEP, Action
+
+
+def one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[Action]:
+    """1F1B over micro-batches ``first .. first+count-1`` on ``stage``: warm-up, steady, cool-down.
+
+    Warm-up runs ``P - s - 1`` forwards; then each forward is followed by the oldest pending
+    backward, so at most ``min(P - s, count)`` micro-batches are in flight on stage s.
+    """
+    warmup = min(num_stages - stage - 1, count)
+    order = [Action(stage, F, first + i) for i in range(warmup)]  # warm-up
+    for i in range(count):  # steady state, then cool-down once forwards run out
+        if warmup + i < count:
+            order.append(Action(stage, F, first + warmup + i))
+        order.append(Action(stage, B, first + i))
+    return order
+
+
+def all_f_then_all_b(stage: int, first: int, count: int) -> list[Action]:
+    """GPipe order: every forward of the batch, then every backward (FIFO)."""
+    forwards = [Action(stage, F, first + i) for i in range(count)]
+    return forwards + [Action(stage, B, first + i) for i in range(count)]
+
+
+def insert_steps(order: list[Action], stage: int, num_microbatches: int) -> list[Action]:
+    """Put STEP j+1 right after the backward of batch j's last micro-batch (backwards are FIFO)."""
+    out: list[Action] = []
+    append = out.append
+    for action in order:
+        append(action)
+        if action.kind == B and (action.index + 1) % num_microbatches == 0:
+            append(Action(stage, STEP, (action.index + 1) // num_microbatches))
+    return out
+
+
+def segments(num_steps: int, drain_every: int | None) -> list[tuple[int, int]]:
+    """Split the run into (first_step, num_steps) segments that drain at their end."""
+    if drain_every is None or drain_every >= num_steps:
+        return [(0, num_steps)]
+    return [(k, min(drain_every, num_steps - k)) for k in range(0, num_steps, drain_every)]
+
+
+def continuous_1f1b(
+    num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None
+) -> tuple[tuple[Action, ...], ...]:
+    """1F1B without flushes, draining only every ``drain_every`` steps (checkpoint points)."""
+    ranks = []
+    for stage in range(num_stages):
+        order: list[Action] = []
+        for first_step, steps in segments(num_steps, drain_every):
+            order += one_f_one_b(
+                stage, num_stages, first_step * num_microbatches, steps * num_microbatches
+            )
+        ranks.append(tuple(insert_steps(order, stage, num_microbatches)))
+    return tuple(ranks)

@@ -1,0 +1,31 @@
+"""PipeDream-2BW (Narayanan et al., ICML 2021, arXiv 2006.09503), as studied in arXiv 2606.30634.
+
+1F1B without flush, double-buffered weights: every micro-batch of batch j runs forward and
+backward at version max(j-1, 0), and step j+1 applies that gradient to version j. This is
+delayed-gradient training x[j+1] = x[j] - u(g(x[j-1])), with the same numbers for every P.
+
+Preconditions: P >= 1, M >= P-1 (otherwise batch j's forwards on stage 0 start before step j-1
+exists). Guarantees: delay exactly 1 from batch 1 on (0 for batch 0) on every stage; at most two
+weight versions alive per stage; at most P-s micro-batches in flight on stage s.
+"""
+
+from __future__ import annotations
+
+from nobubble.ir import Schedule, ScheduleError
+from nobubble.schedules._order import continuous_1f1b
+
+NAME = "2bw"
+SUMMARY = "async: 1F1B no flush, batch j at version j-1 (one-step delay), 2 weight copies; M >= P-1"
+
+
+def generate(
+    num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None = None
+) -> Schedule:
+    if num_microbatches < num_stages - 1:
+        raise ScheduleError(
+            f"2bw needs micro-batches per step M >= P-1, got M={num_microbatches} with "
+            f"P={num_stages}; use --microbatches {num_stages - 1} or more, or fewer stages"
+        )
+    ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every)
+    return Schedule(NAME, num_stages, num_microbatches, num_steps, "previous_batch", "stashed",
+                    ranks, drain_every=drain_every)

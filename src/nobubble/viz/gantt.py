@@ -1,0 +1,61 @@
+"""Gantt PNG: one lane per stage, a colour per action kind, micro-batch numbers in the bars."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from nobubble.ir import Action
+
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", "STEP": "#55A868", "SEND": "#8172B3", "RECV": "#937860"}
+
+
+def _colour(kind: str) -> str:
+    return COLOURS.get(kind, COLOURS.get(kind.split("_")[0], "#999999"))
+
+
+def save_gantt(
+    path: str | Path,
+    panels: Sequence[tuple[str, Sequence[Sequence[tuple[Action, float, float]]]]],
+    time_unit: str = "time",
+    max_labels: int = 400,
+) -> Path:
+    """One subplot per (title, lanes) panel, sharing the time axis so panels compare directly."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on servers or CI
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    height = sum(1.0 + 0.45 * len(lanes) for _, lanes in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, max(2.5, height)), sharex=True,
+                             squeeze=False)
+    for ax, (title, lanes) in zip(axes[:, 0], panels, strict=True):
+        spans = sum(len(s) for s in lanes)
+        horizon = max((end for lane in lanes for _, _, end in lane), default=1.0) or 1.0
+        for lane, lane_spans in enumerate(lanes):
+            for action, start, end in lane_spans:
+                if action.kind == "STEP" and end - start < 0.002 * horizon:
+                    # zero-cost steps still matter for reading versions: draw a tick
+                    ax.plot([start, start], [lane - 0.45, lane + 0.45], color=_colour("STEP"),
+                            linewidth=1.5)
+                    continue
+                ax.barh(lane, end - start, left=start, height=0.8, color=_colour(action.kind),
+                        edgecolor="white", linewidth=0.4)
+                label = str(action.index)
+                wide = (end - start) / horizon > 0.0045 * len(label)  # label fits in the bar
+                if spans <= max_labels and wide and action.kind in ("F", "B"):
+                    ax.text((start + end) / 2, lane, label, ha="center", va="center",
+                            fontsize=7, color="white")
+        ax.set_yticks(range(len(lanes)), [f"stage {s}" for s in range(len(lanes))])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel(time_unit)
+    handles = [Patch(color=c, label=k) for k, c in COLOURS.items() if k in ("F", "B", "STEP")]
+    fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
