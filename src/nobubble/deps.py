@@ -6,7 +6,7 @@ kind or placement changes one place.
 
 from __future__ import annotations
 
-from nobubble.ir import B, F, STEP, Action
+from nobubble.ir import STEP, Action, B, F
 
 # The rule as data: a forward on stage s reads the activation of the same micro-batch's forward on
 # stage s-1; a backward reads the gradient of the same micro-batch's backward on stage s+1. Kinds
@@ -21,7 +21,7 @@ def remote_dependency(action: Action, num_stages: int) -> Action | None:
         return None
     source = action.stage + offset
     if 0 <= source < num_stages:
-        return Action(source, action.kind, action.index)
+        return Action(source, action.kind, action.number)
     return None
 
 
@@ -32,9 +32,9 @@ def local_prerequisites(action: Action, num_microbatches: int) -> list[Action]:
     whose gradients it applies (design.md section 2).
     """
     if action.kind == B:
-        return [Action(action.stage, F, action.index)]
+        return [Action(action.stage, F, action.number)]
     if action.kind == STEP:
-        first = (action.index - 1) * num_microbatches
+        first = (action.number - 1) * num_microbatches
         return [Action(action.stage, B, m) for m in range(first, first + num_microbatches)]
     return []
 
@@ -46,5 +46,5 @@ def sends_after(action: Action, num_stages: int) -> Action | None:
         return None
     target = action.stage - offset
     if 0 <= target < num_stages:
-        return Action(target, action.kind, action.index)
+        return Action(target, action.kind, action.number)
     return None

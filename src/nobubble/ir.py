@@ -38,14 +38,14 @@ class ScheduleError(ValueError):
 
 
 class Action(NamedTuple):
-    """One unit of work on one stage: ``index`` is the micro-batch (F, B) or the step number (STEP)."""
+    """One unit of work on one stage; ``number`` is the micro-batch (F, B) or the step (STEP)."""
 
     stage: int
     kind: str
-    index: int
+    number: int
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.index}"
+        return f"{self.stage}{self.kind}{self.number}"
 
     @staticmethod
     def parse(text: str) -> Action:
@@ -149,7 +149,8 @@ class Schedule:
                 forward_rule=fields["forward"],
                 backward_rule=fields["backward"],
                 ranks=tuple(ranks),
-                drain_every=None if fields.get("drain_every", "none") == "none"
+                drain_every=None
+                if fields.get("drain_every", "none") == "none"
                 else int(fields["drain_every"]),
             )
         except KeyError as err:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from nobubble.ir import B, F, STEP, Schedule
+from nobubble.ir import STEP, B, F, Schedule
 
 
 def forward_version(rule: str, batch: int, current: int) -> int:
@@ -101,8 +101,16 @@ def _stage_ledger(schedule: Schedule, stage: int) -> StageLedger:
                 applied[u] = current
             unapplied.clear()
     intervals[current][1] = len(order)
-    return StageLedger(stage, fwd_version, bwd_version, fwd_current, bwd_current, applied,
-                       peak_inflight, _live_versions(intervals))
+    return StageLedger(
+        stage,
+        fwd_version,
+        bwd_version,
+        fwd_current,
+        bwd_current,
+        applied,
+        peak_inflight,
+        _live_versions(intervals),
+    )
 
 
 @dataclass(frozen=True)
@@ -128,14 +136,16 @@ class Ledger:
         rows = []
         total = self.schedule.total_microbatches
         for st in self.stages:
-            rows.append({
-                "stage": st.stage,
-                "max_crossed": max(st.crossed),
-                "share_crossed": (total - st.crossed.count(0)) / total,
-                "max_delay": max(st.delay),
-                "peak_inflight": st.peak_inflight,
-                "peak_versions": st.peak_versions,
-            })
+            rows.append(
+                {
+                    "stage": st.stage,
+                    "max_crossed": max(st.crossed),
+                    "share_crossed": (total - st.crossed.count(0)) / total,
+                    "max_delay": max(st.delay),
+                    "peak_inflight": st.peak_inflight,
+                    "peak_versions": st.peak_versions,
+                }
+            )
         return rows
 
     def crossed_histogram(self, stage: int | None = None) -> dict[int, int]:

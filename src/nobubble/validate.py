@@ -9,7 +9,7 @@ shows the schedule grid with the failing cell marked.
 
 from __future__ import annotations
 
-from nobubble.ir import B, COMPUTE_KINDS, F, STEP, Action, Schedule, ScheduleError, format_grid
+from nobubble.ir import COMPUTE_KINDS, STEP, Action, B, F, Schedule, ScheduleError, format_grid
 from nobubble.ledger import forward_version
 from nobubble.placement import rank_of
 from nobubble.sim.cost import CostModel
@@ -40,8 +40,11 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
 
     for pos, (stage, kind, m) in enumerate(schedule.ranks[rank]):
         if kind not in COMPUTE_KINDS:
-            fail(pos, f"{kind} is not executable in this version; use F, B and STEP "
-                      "(transfers are implied by the dependency rule)")
+            fail(
+                pos,
+                f"{kind} is not executable in this version; use F, B and STEP "
+                "(transfers are implied by the dependency rule)",
+            )
         if rank_of(stage) != rank:
             fail(pos, f"stage {stage} runs on rank {rank_of(stage)}, not rank {rank}")
         if kind == STEP:
@@ -53,13 +56,19 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 missing = next(
                     mb for mb in range((m - 1) * per_step, m * per_step) if not seen_b[mb]
                 )
-                fail(pos, f"step {m} applies batch {m - 1}, but the backward of micro-batch "
-                          f"{missing} has not run yet on this stage")
+                fail(
+                    pos,
+                    f"step {m} applies batch {m - 1}, but the backward of micro-batch "
+                    f"{missing} has not run yet on this stage",
+                )
             current = m
             continue
         if not 0 <= m < total:
-            fail(pos, f"micro-batch {m} is outside 0..{total - 1} "
-                      f"({schedule.num_steps} steps x {per_step} micro-batches)")
+            fail(
+                pos,
+                f"micro-batch {m} is outside 0..{total - 1} "
+                f"({schedule.num_steps} steps x {per_step} micro-batches)",
+            )
         batch = m // per_step
         if kind == F:
             if seen_f[m]:
@@ -67,23 +76,32 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             seen_f[m] = 1
             needed = forward_version(schedule.forward_rule, batch, current)
             if needed > current:
-                fail(pos, f"forward of batch {batch} needs weight version {needed}, but the stage "
-                          f"has applied only {current} steps (for 2bw: M >= P-1)")
+                fail(
+                    pos,
+                    f"forward of batch {batch} needs weight version {needed}, but the stage "
+                    f"has applied only {current} steps (for 2bw: M >= P-1)",
+                )
         else:  # B
             if not seen_f[m]:
                 fail(pos, f"backward of micro-batch {m} before its forward")
             if seen_b[m]:
                 fail(pos, f"second backward of micro-batch {m}")
             if batch != current:
-                fail(pos, f"backward of micro-batch {m} (batch {batch}) must run after step "
-                          f"{batch} and before step {batch + 1}; the stage has applied {current}")
+                fail(
+                    pos,
+                    f"backward of micro-batch {m} (batch {batch}) must run after step "
+                    f"{batch} and before step {batch + 1}; the stage has applied {current}",
+                )
             seen_b[m] = 1
             backwards_in_batch[batch] += 1
     end = len(schedule.ranks[rank])
     for kind, seen in ((F, seen_f), (B, seen_b)):
         if not all(seen):
-            fail(end, f"missing {Action(rank, kind, seen.index(0))} (every micro-batch needs one "
-                      "forward and one backward per stage)")
+            fail(
+                end,
+                f"missing {Action(rank, kind, seen.index(0))} (every micro-batch needs one "
+                "forward and one backward per stage)",
+            )
     if current != schedule.num_steps:
         fail(end, f"missing STEP{current + 1}: {schedule.num_steps} steps expected")
 

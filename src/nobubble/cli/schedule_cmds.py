@@ -30,15 +30,33 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = False) -> No
     names = ", ".join(SCHEDULE_NAMES) + (", all" if allow_all else "")
     p.add_argument("--schedule", default="all" if allow_all else "1f1b", help=f"one of {names}")
     p.add_argument("--stages", "-P", type=positive_int, default=4, help="pipeline stages P")
-    p.add_argument("--microbatches", "-M", type=positive_int, default=8,
-                   help="micro-batches per optimizer step M")
-    p.add_argument("--accum", "-a", type=positive_int, default=None,
-                   help="accumulation factor a of pipedream (default 1) and paci (default M)")
+    p.add_argument(
+        "--microbatches",
+        "-M",
+        type=positive_int,
+        default=8,
+        help="micro-batches per optimizer step M",
+    )
+    p.add_argument(
+        "--accum",
+        "-a",
+        type=positive_int,
+        default=None,
+        help="accumulation factor a of pipedream (default 1) and paci (default M)",
+    )
     p.add_argument("--steps", "-N", type=positive_int, default=4, help="optimizer steps")
-    p.add_argument("--drain-every", type=positive_int, default=None,
-                   help="async schedules drain every K steps (checkpoint points)")
-    p.add_argument("--from-json", metavar="FILE", default=None,
-                   help="read a (hand-written) schedule from a JSON file instead of generating one")
+    p.add_argument(
+        "--drain-every",
+        type=positive_int,
+        default=None,
+        help="async schedules drain every K steps (checkpoint points)",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        default=None,
+        help="read a (hand-written) schedule from a JSON file instead of generating one",
+    )
 
 
 def schedules_from_args(args: argparse.Namespace) -> list[Schedule]:
@@ -48,15 +66,22 @@ def schedules_from_args(args: argparse.Namespace) -> list[Schedule]:
     out = []
     for name in names:
         if name == "2bw" and args.schedule == "all" and args.microbatches < args.stages - 1:
-            print(f"note: 2bw skipped: it needs M >= P-1 (M={args.microbatches}, "
-                  f"P={args.stages})", file=sys.stderr)
+            print(
+                f"note: 2bw skipped: it needs M >= P-1 (M={args.microbatches}, P={args.stages})",
+                file=sys.stderr,
+            )
             continue
         accum = args.accum if SCHEDULES.get(name) is None or SCHEDULES[name].uses_accum else None
         if args.schedule != "all" and args.accum is not None and not SCHEDULES[name].uses_accum:
-            raise ValueError(f"--accum {args.accum} applies to pipedream and paci only, not to "
-                             f"{name}; use --microbatches for {name}")
-        out.append(build_schedule(name, args.stages, args.microbatches, args.steps, accum,
-                                  args.drain_every))
+            raise ValueError(
+                f"--accum {args.accum} applies to pipedream and paci only, not to "
+                f"{name}; use --microbatches for {name}"
+            )
+        out.append(
+            build_schedule(
+                name, args.stages, args.microbatches, args.steps, accum, args.drain_every
+            )
+        )
     return out
 
 
@@ -78,8 +103,14 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 # ----- nobubble schedules ------------------------------------------------------------------------
 def cmd_schedules(args: argparse.Namespace) -> int:
     if args.json:
-        print(json.dumps({n: {"summary": i.summary, "synchronous": i.synchronous}
-                          for n, i in SCHEDULES.items()}))
+        print(
+            json.dumps(
+                {
+                    n: {"summary": i.summary, "synchronous": i.synchronous}
+                    for n, i in SCHEDULES.items()
+                }
+            )
+        )
         return 0
     for name, info in SCHEDULES.items():
         print(f"{name:<10} {info.summary}")
@@ -106,24 +137,39 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     validate(schedule)
     ledger = build_ledger(schedule)
     if args.json:
-        print(json.dumps({
-            "schedule": schedule.name,
-            "stages": schedule.num_stages,
-            "microbatches": schedule.num_microbatches,
-            "steps": schedule.num_steps,
-            "records": list(ledger.records()),
-            "summary": ledger.summary(),
-            "crossed_histogram": {str(k): v for k, v in ledger.crossed_histogram().items()},
-        }))
+        print(
+            json.dumps(
+                {
+                    "schedule": schedule.name,
+                    "stages": schedule.num_stages,
+                    "microbatches": schedule.num_microbatches,
+                    "steps": schedule.num_steps,
+                    "records": list(ledger.records()),
+                    "summary": ledger.summary(),
+                    "crossed_histogram": {str(k): v for k, v in ledger.crossed_histogram().items()},
+                }
+            )
+        )
         return 0
     print(schedule.header())
     if not args.summary_only:
-        print_table(list(ledger.records()),
-                    ["stage", "microbatch", "fwd_version", "bwd_version", "applied_step",
-                     "crossed", "delay"])
+        print_table(
+            list(ledger.records()),
+            [
+                "stage",
+                "microbatch",
+                "fwd_version",
+                "bwd_version",
+                "applied_step",
+                "crossed",
+                "delay",
+            ],
+        )
         print()
-    print_table(ledger.summary(), ["stage", "max_crossed", "share_crossed", "max_delay",
-                                   "peak_inflight", "peak_versions"])
+    print_table(
+        ledger.summary(),
+        ["stage", "max_crossed", "share_crossed", "max_delay", "peak_inflight", "peak_versions"],
+    )
     print("crossed-update histogram:", ledger.crossed_histogram())
     return 0
 
@@ -131,8 +177,12 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 # ----- nobubble simulate -------------------------------------------------------------------------
 def cost_from_args(args: argparse.Namespace) -> CostModel:
     return CostModel(
-        fwd=parse_durations(args.fwd), bwd=parse_durations(args.bwd), step=args.step_cost,
-        latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
+        fwd=parse_durations(args.fwd),
+        bwd=parse_durations(args.bwd),
+        step=args.step_cost,
+        latency=args.latency,
+        bandwidth=args.bandwidth,
+        activation_bytes=args.activation_bytes,
     )
 
 
@@ -151,25 +201,40 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from nobubble.viz import save_gantt
 
         panels = [
-            (f"{s.name}  P={s.num_stages} M={s.num_microbatches} steps={s.num_steps}  "
-             f"bubble {r.metrics.bubble_share:.1%}",
-             [r.timeline.spans(k) for k in range(s.num_ranks)])
+            (
+                f"{s.name}  P={s.num_stages} M={s.num_microbatches} steps={s.num_steps}  "
+                f"bubble {r.metrics.bubble_share:.1%}",
+                [r.timeline.spans(k) for k in range(s.num_ranks)],
+            )
             for s, r in results.values()
         ]
         save_gantt(args.plot, panels, time_unit="simulated time (cost-model units)")
     if args.json:
-        print(json.dumps({name: {"microbatches": s.num_microbatches, **r.metrics.to_json()}
-                          for name, (s, r) in results.items()}))
+        print(
+            json.dumps(
+                {
+                    name: {"microbatches": s.num_microbatches, **r.metrics.to_json()}
+                    for name, (s, r) in results.items()
+                }
+            )
+        )
         return 0
     rows = []
     for name, (s, r) in results.items():
         m = r.metrics
-        rows.append({
-            "schedule": name, "M": s.num_microbatches, "makespan": m.makespan,
-            "bubble": m.bubble_share, "steady_util_min": min(m.steady_utilization),
-            "throughput": m.throughput, "inflight": m.peak_inflight,
-            "versions": m.peak_versions, "max_crossed": m.max_crossed,
-        })
+        rows.append(
+            {
+                "schedule": name,
+                "M": s.num_microbatches,
+                "makespan": m.makespan,
+                "bubble": m.bubble_share,
+                "steady_util_min": min(m.steady_utilization),
+                "throughput": m.throughput,
+                "inflight": m.peak_inflight,
+                "versions": m.peak_versions,
+                "max_crossed": m.max_crossed,
+            }
+        )
     print_table(rows, list(rows[0]))
     for path in (args.trace, args.plot):
         if path:
@@ -191,10 +256,19 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
         simulate(schedule, CostModel(fwd=1.0, bwd=2.0))  # validation included
         t2 = time.perf_counter()
         n = schedule.num_actions()
-        rows.append({"schedule": args.schedule, "stages": args.stages,
-                     "microbatches": schedule.num_microbatches, "steps": steps, "actions": n,
-                     "generate_s": t1 - t0, "simulate_s": t2 - t1, "total_s": t2 - t0,
-                     "us_per_action": (t2 - t0) / n * 1e6})
+        rows.append(
+            {
+                "schedule": args.schedule,
+                "stages": args.stages,
+                "microbatches": schedule.num_microbatches,
+                "steps": steps,
+                "actions": n,
+                "generate_s": t1 - t0,
+                "simulate_s": t2 - t1,
+                "total_s": t2 - t0,
+                "us_per_action": (t2 - t0) / n * 1e6,
+            }
+        )
         del schedule  # free before the next size so both are measured alike
     if args.json:
         print(json.dumps({"runs": rows}))
@@ -225,10 +299,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("simulate", help="simulate schedules under a cost model")
     add_schedule_args(p, allow_all=True)
-    p.add_argument("--fwd", type=float, nargs="+", default=[1.0],
-                   help="forward duration, one value or one per stage")
-    p.add_argument("--bwd", type=float, nargs="+", default=[2.0],
-                   help="backward duration, one value or one per stage")
+    p.add_argument(
+        "--fwd",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="forward duration, one value or one per stage",
+    )
+    p.add_argument(
+        "--bwd",
+        type=float,
+        nargs="+",
+        default=[2.0],
+        help="backward duration, one value or one per stage",
+    )
     p.add_argument("--step-cost", type=float, default=0.0, help="optimizer step duration")
     p.add_argument("--latency", type=float, default=0.0, help="per-transfer latency")
     p.add_argument("--bandwidth", type=float, default=float("inf"), help="bytes per time unit")

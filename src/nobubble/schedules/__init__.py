@@ -31,7 +31,9 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     info.name: info
     for info in (
         ScheduleInfo(gpipe.NAME, gpipe.SUMMARY, gpipe.generate, True, False, None),
-        ScheduleInfo(one_f_one_b.NAME, one_f_one_b.SUMMARY, one_f_one_b.generate, True, False, None),
+        ScheduleInfo(
+            one_f_one_b.NAME, one_f_one_b.SUMMARY, one_f_one_b.generate, True, False, None
+        ),
         ScheduleInfo(pipedream.NAME, pipedream.SUMMARY, pipedream.generate, False, True, 1),
         ScheduleInfo(two_bw.NAME, two_bw.SUMMARY, two_bw.generate, False, False, None),
         ScheduleInfo(paci.NAME, paci.SUMMARY, paci.generate, False, True, None),
@@ -42,15 +44,15 @@ SCHEDULE_NAMES = tuple(SCHEDULES)
 
 def schedule_info(name: str) -> ScheduleInfo:
     if name not in SCHEDULES:
-        raise ScheduleError(
-            f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}"
-        )
+        raise ScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
     return SCHEDULES[name]
 
 
 def _check_positive(label: str, flag: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}; set {flag} to 1 or more")
+        raise ScheduleError(
+            f"{label} must be an integer >= 1, got {value!r}; set {flag} to 1 or more"
+        )
 
 
 def resolve_microbatches(name: str, num_microbatches: int, accum: int | None) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nobubble.ir import B, F, STEP, Action
+from nobubble.ir import STEP, Action, B, F
 
 
 def one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[Action]:
@@ -32,8 +32,8 @@ def insert_steps(order: list[Action], stage: int, num_microbatches: int) -> list
     append = out.append
     for action in order:
         append(action)
-        if action.kind == B and (action.index + 1) % num_microbatches == 0:
-            append(Action(stage, STEP, (action.index + 1) // num_microbatches))
+        if action.kind == B and (action.number + 1) % num_microbatches == 0:
+            append(Action(stage, STEP, (action.number + 1) // num_microbatches))
     return out
 
 

@@ -24,5 +24,13 @@ def generate(
         for step in range(num_steps):
             order += all_f_then_all_b(stage, step * num_microbatches, num_microbatches)
         ranks.append(tuple(insert_steps(order, stage, num_microbatches)))
-    return Schedule(NAME, num_stages, num_microbatches, num_steps, "current", "current",
-                    tuple(ranks), drain_every=1)
+    return Schedule(
+        NAME,
+        num_stages,
+        num_microbatches,
+        num_steps,
+        "current",
+        "current",
+        tuple(ranks),
+        drain_every=1,
+    )

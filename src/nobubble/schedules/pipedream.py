@@ -23,5 +23,13 @@ def generate(
     num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None = None
 ) -> Schedule:
     ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every)
-    return Schedule(NAME, num_stages, num_microbatches, num_steps, "current", "stashed",
-                    ranks, drain_every=drain_every)
+    return Schedule(
+        NAME,
+        num_stages,
+        num_microbatches,
+        num_steps,
+        "current",
+        "stashed",
+        ranks,
+        drain_every=drain_every,
+    )

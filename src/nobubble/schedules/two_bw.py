@@ -27,5 +27,13 @@ def generate(
             f"P={num_stages}; use --microbatches {num_stages - 1} or more, or fewer stages"
         )
     ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every)
-    return Schedule(NAME, num_stages, num_microbatches, num_steps, "previous_batch", "stashed",
-                    ranks, drain_every=drain_every)
+    return Schedule(
+        NAME,
+        num_stages,
+        num_microbatches,
+        num_steps,
+        "previous_batch",
+        "stashed",
+        ranks,
+        drain_every=drain_every,
+    )

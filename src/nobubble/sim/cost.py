@@ -29,14 +29,20 @@ class CostModel:
             if not values or any(not math.isfinite(v) or v < 0 for v in values):
                 raise ValueError(f"--{label} durations must be finite and >= 0, got {value!r}")
         for label, number in (
-            ("step", self.step), ("latency", self.latency), ("activation-bytes", self.activation_bytes)
+            ("step", self.step),
+            ("latency", self.latency),
+            ("activation-bytes", self.activation_bytes),
         ):
             if not math.isfinite(number) or number < 0:
                 raise ValueError(f"--{label} must be finite and >= 0, got {number!r}")
         if not self.bandwidth > 0:
-            raise ValueError(f"--bandwidth must be > 0 (inf for free transfers), got {self.bandwidth!r}")
+            raise ValueError(
+                f"--bandwidth must be > 0 (inf for free transfers), got {self.bandwidth!r}"
+            )
 
-    def per_stage(self, value: float | tuple[float, ...], num_stages: int, label: str) -> list[float]:
+    def per_stage(
+        self, value: float | tuple[float, ...], num_stages: int, label: str
+    ) -> list[float]:
         if isinstance(value, tuple):
             if len(value) == 1:
                 return [value[0]] * num_stages

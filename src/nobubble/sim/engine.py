@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nobubble.deps import FLOW, remote_dependency
-from nobubble.ir import B, F, Action, Schedule
+from nobubble.ir import Action, B, F, Schedule
 from nobubble.sim.cost import CostModel
 
 
@@ -64,8 +64,9 @@ def run_timeline(schedule: Schedule, cost: CostModel) -> Timeline:
         for s in range(num_stages)
     ]
     dur = [{k: duration[k][s] for k in FLOW} for s in range(num_stages)]
-    consumers = [[s - off for off in FLOW.values() if 0 <= s - off < num_stages]
-                 for s in range(num_stages)]
+    consumers = [
+        [s - off for off in FLOW.values() if 0 <= s - off < num_stages] for s in range(num_stages)
+    ]
     pending, queued = list(range(num_stages - 1, -1, -1)), [True] * num_stages
     while pending:
         rank = pending.pop()
@@ -106,11 +107,15 @@ def run_timeline(schedule: Schedule, cost: CostModel) -> Timeline:
     return Timeline(schedule, starts, ends)
 
 
-def blocked_on(schedule: Schedule, positions: list[int]) -> list[tuple[int, int, Action, Action | None]]:
+def blocked_on(
+    schedule: Schedule, positions: list[int]
+) -> list[tuple[int, int, Action, Action | None]]:
     """For a deadlock: (rank, position, action, the remote action it waits for) per stuck rank."""
     stuck = []
     for rank, pos in enumerate(positions):
         order = schedule.ranks[rank]
         if pos < len(order):
-            stuck.append((rank, pos, order[pos], remote_dependency(order[pos], schedule.num_stages)))
+            stuck.append(
+                (rank, pos, order[pos], remote_dependency(order[pos], schedule.num_stages))
+            )
     return stuck

@@ -28,8 +28,9 @@ def save_gantt(
     from matplotlib.patches import Patch
 
     height = sum(1.0 + 0.45 * len(lanes) for _, lanes in panels)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(13, max(2.5, height)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(13, max(2.5, height)), sharex=True, squeeze=False
+    )
     for ax, (title, lanes) in zip(axes[:, 0], panels, strict=True):
         spans = sum(len(s) for s in lanes)
         horizon = max((end for lane in lanes for _, _, end in lane), default=1.0) or 1.0
@@ -37,16 +38,34 @@ def save_gantt(
             for action, start, end in lane_spans:
                 if action.kind == "STEP" and end - start < 0.002 * horizon:
                     # zero-cost steps still matter for reading versions: draw a tick
-                    ax.plot([start, start], [lane - 0.45, lane + 0.45], color=_colour("STEP"),
-                            linewidth=1.5)
+                    ax.plot(
+                        [start, start],
+                        [lane - 0.45, lane + 0.45],
+                        color=_colour("STEP"),
+                        linewidth=1.5,
+                    )
                     continue
-                ax.barh(lane, end - start, left=start, height=0.8, color=_colour(action.kind),
-                        edgecolor="white", linewidth=0.4)
-                label = str(action.index)
+                ax.barh(
+                    lane,
+                    end - start,
+                    left=start,
+                    height=0.8,
+                    color=_colour(action.kind),
+                    edgecolor="white",
+                    linewidth=0.4,
+                )
+                label = str(action.number)
                 wide = (end - start) / horizon > 0.0045 * len(label)  # label fits in the bar
                 if spans <= max_labels and wide and action.kind in ("F", "B"):
-                    ax.text((start + end) / 2, lane, label, ha="center", va="center",
-                            fontsize=7, color="white")
+                    ax.text(
+                        (start + end) / 2,
+                        lane,
+                        label,
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
         ax.set_yticks(range(len(lanes)), [f"stage {s}" for s in range(len(lanes))])
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10, loc="left")

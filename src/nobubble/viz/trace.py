@@ -21,19 +21,28 @@ def trace_events(
         {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}}
     ]
     for lane, spans in enumerate(lanes):
-        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": lane,
-                       "args": {"name": f"stage {lane}"}})
-        for action, start, end in spans:
-            events.append({
-                "name": str(action),
-                "cat": action.kind,
-                "ph": "X",
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
                 "pid": pid,
                 "tid": lane,
-                "ts": start * time_scale_us,
-                "dur": (end - start) * time_scale_us,
-                "args": {"stage": action.stage, "kind": action.kind, "index": action.index},
-            })
+                "args": {"name": f"stage {lane}"},
+            }
+        )
+        for action, start, end in spans:
+            events.append(
+                {
+                    "name": str(action),
+                    "cat": action.kind,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": lane,
+                    "ts": start * time_scale_us,
+                    "dur": (end - start) * time_scale_us,
+                    "args": {"stage": action.stage, "kind": action.kind, "number": action.number},
+                }
+            )
     return events
 
 
