@@ -10,7 +10,7 @@ from typing import Any
 
 from nobubble.ir import Schedule, format_grid
 from nobubble.ledger import build_ledger
-from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
+from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule, schedule_info
 from nobubble.sim import CostModel, simulate
 from nobubble.sim.cost import parse_durations
 from nobubble.validate import validate
@@ -28,7 +28,8 @@ def positive_int(text: str) -> int:
 
 def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = False) -> None:
     names = ", ".join(SCHEDULE_NAMES) + (", all" if allow_all else "")
-    p.add_argument("--schedule", default="all" if allow_all else "1f1b", help=f"one of {names}")
+    help_text = f"one of {names}" + (" (or a comma list)" if allow_all else "")
+    p.add_argument("--schedule", default="all" if allow_all else "1f1b", help=help_text)
     p.add_argument("--stages", "-P", type=positive_int, default=4, help="pipeline stages P")
     p.add_argument(
         "--microbatches",
@@ -60,23 +61,26 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = False) -> No
 
 
 def schedules_from_args(args: argparse.Namespace) -> list[Schedule]:
+    """Schedules named by --schedule (one name, a comma list, or all) or read from --from-json."""
     if args.from_json:
         return [Schedule.load_json(args.from_json)]
-    names = list(SCHEDULE_NAMES) if args.schedule == "all" else [args.schedule]
+    every = args.schedule == "all"
+    names = list(SCHEDULE_NAMES) if every else [n.strip() for n in args.schedule.split(",")]
     out = []
     for name in names:
-        if name == "2bw" and args.schedule == "all" and args.microbatches < args.stages - 1:
+        info = schedule_info(name)
+        if name == "2bw" and every and args.microbatches < args.stages - 1:
             print(
                 f"note: 2bw skipped: it needs M >= P-1 (M={args.microbatches}, P={args.stages})",
                 file=sys.stderr,
             )
             continue
-        accum = args.accum if SCHEDULES.get(name) is None or SCHEDULES[name].uses_accum else None
-        if args.schedule != "all" and args.accum is not None and not SCHEDULES[name].uses_accum:
+        if len(names) == 1 and args.accum is not None and not info.uses_accum:
             raise ValueError(
                 f"--accum {args.accum} applies to pipedream and paci only, not to "
                 f"{name}; use --microbatches for {name}"
             )
+        accum = args.accum if info.uses_accum else None
         out.append(
             build_schedule(
                 name, args.stages, args.microbatches, args.steps, accum, args.drain_every
