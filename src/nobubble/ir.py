@@ -74,6 +74,7 @@ class Schedule:
     backward_rule: str
     ranks: tuple[tuple[Action, ...], ...]
     drain_every: int | None = None
+    sync_warmup: int = 0  # the first steps run synchronously (flush), as 1f1b
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -118,7 +119,8 @@ class Schedule:
         return (
             f"# nobubble schedule name={self.name} stages={self.num_stages} "
             f"microbatches={self.num_microbatches} steps={self.num_steps} "
-            f"forward={self.forward_rule} backward={self.backward_rule} drain_every={drain}"
+            f"forward={self.forward_rule} backward={self.backward_rule} drain_every={drain} "
+            f"sync_warmup={self.sync_warmup}"
         )
 
     def to_text(self) -> str:
@@ -166,6 +168,7 @@ class Schedule:
             "forward_rule": self.forward_rule,
             "backward_rule": self.backward_rule,
             "drain_every": self.drain_every,
+            "sync_warmup": self.sync_warmup,
             "ranks": [[str(a) for a in order] for order in self.ranks],
         }
 
@@ -190,6 +193,7 @@ class Schedule:
             forward_rule=obj.get("forward_rule", "current"),
             backward_rule=obj.get("backward_rule", "current"),
             drain_every=obj.get("drain_every"),
+            sync_warmup=int(obj.get("sync_warmup", 0)),
             ranks=tuple(tuple(Action.parse(str(a)) for a in order) for order in ranks),
         )
 

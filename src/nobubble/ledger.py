@@ -17,9 +17,12 @@ from typing import Any
 from nobubble.ir import STEP, B, F, Schedule
 
 
-def forward_version(rule: str, batch: int, current: int) -> int:
-    """Version a forward of batch ``batch`` reads when the stage has applied ``current`` steps."""
-    if rule == "previous_batch":  # 2BW: batch j is computed at version j-1 (batch 0 at 0)
+def forward_version(rule: str, batch: int, current: int, sync_warmup: int = 0) -> int:
+    """Version a forward of batch ``batch`` reads when the stage has applied ``current`` steps.
+
+    Batches before ``sync_warmup`` run synchronously and read the current version.
+    """
+    if rule == "previous_batch" and batch >= sync_warmup:  # 2BW: batch j at version j-1
         return max(batch - 1, 0)
     return current
 
@@ -77,9 +80,10 @@ def _stage_ledger(schedule: Schedule, stage: int) -> StageLedger:
     unapplied: list[int] = []
     order = schedule.ranks[stage]
     stashed = schedule.backward_rule == "stashed"
+    warmup = schedule.sync_warmup
     for pos, (_, kind, m) in enumerate(order):
         if kind == F:
-            v = forward_version(schedule.forward_rule, m // m_per_step, current)
+            v = forward_version(schedule.forward_rule, m // m_per_step, current, warmup)
             fwd_version[m], fwd_current[m] = v, current
             interval = intervals[v]
             interval[1] = max(interval[1], pos + 1)

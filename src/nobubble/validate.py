@@ -74,7 +74,7 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             if seen_f[m]:
                 fail(pos, f"second forward of micro-batch {m}")
             seen_f[m] = 1
-            needed = forward_version(schedule.forward_rule, batch, current)
+            needed = forward_version(schedule.forward_rule, batch, current, schedule.sync_warmup)
             if needed > current:
                 fail(
                     pos,

@@ -14,7 +14,7 @@ from nobubble.ir import Schedule, ScheduleError
 from nobubble.schedules import gpipe, one_f_one_b, paci, pipedream, two_bw
 from nobubble.util import paused_gc
 
-Generator = Callable[[int, int, int, int | None], Schedule]
+Generator = Callable[..., Schedule]
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,28 @@ def build_schedule(
     num_steps: int,
     accum: int | None = None,
     drain_every: int | None = None,
+    sync_warmup: int = 0,
 ) -> Schedule:
-    """Generate schedule ``name`` for P stages, M micro-batches per step and N steps."""
+    """Generate schedule ``name`` for P stages, M micro-batches per step and N steps.
+
+    ``sync_warmup`` (asynchronous schedules only) runs the first steps flushed, as 1f1b does,
+    before switching to the schedule's own order and weight rules (arXiv 2606.30634, sec. 5).
+    """
     info = schedule_info(name)
     _check_positive("the number of stages P", "--stages", num_stages)
     _check_positive("the number of micro-batches M", "--microbatches", num_microbatches)
     _check_positive("the number of steps", "--steps", num_steps)
     if drain_every is not None:
         _check_positive("the drain interval", "--drain-every", drain_every)
+    if not isinstance(sync_warmup, int) or sync_warmup < 0:
+        raise ScheduleError(f"sync warm-up must be an integer >= 0 steps, got {sync_warmup!r}")
     m = resolve_microbatches(name, num_microbatches, accum)
     with paused_gc():
+        if sync_warmup:
+            if info.synchronous:
+                raise ScheduleError(
+                    f"sync warm-up {sync_warmup} applies to asynchronous schedules only; "
+                    f"{name} is synchronous throughout: drop the sync-warmup correction"
+                )
+            return info.generate(num_stages, m, num_steps, drain_every, sync_warmup=sync_warmup)
         return info.generate(num_stages, m, num_steps, drain_every)

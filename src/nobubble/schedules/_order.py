@@ -37,21 +37,37 @@ def insert_steps(order: list[Action], stage: int, num_microbatches: int) -> list
     return out
 
 
-def segments(num_steps: int, drain_every: int | None) -> list[tuple[int, int]]:
-    """Split the run into (first_step, num_steps) segments that drain at their end."""
-    if drain_every is None or drain_every >= num_steps:
-        return [(0, num_steps)]
-    return [(k, min(drain_every, num_steps - k)) for k in range(0, num_steps, drain_every)]
+def segments(
+    num_steps: int, drain_every: int | None, sync_warmup: int = 0
+) -> list[tuple[int, int]]:
+    """Split the run into (first_step, num_steps) segments that drain at their end.
+
+    The first ``sync_warmup`` steps are one-step segments (flushed, i.e. synchronous); the rest
+    drains every ``drain_every`` steps, counted from step 0 so drain points stay where they are.
+    """
+    warm = min(sync_warmup, num_steps)
+    out = [(k, 1) for k in range(warm)]
+    every = drain_every or num_steps
+    k = warm
+    while k < num_steps:
+        end = min(num_steps, (k // every + 1) * every)
+        out.append((k, end - k))
+        k = end
+    return out
 
 
 def continuous_1f1b(
-    num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None
+    num_stages: int,
+    num_microbatches: int,
+    num_steps: int,
+    drain_every: int | None,
+    sync_warmup: int = 0,
 ) -> tuple[tuple[Action, ...], ...]:
     """1F1B without flushes, draining only every ``drain_every`` steps (checkpoint points)."""
     ranks = []
     for stage in range(num_stages):
         order: list[Action] = []
-        for first_step, steps in segments(num_steps, drain_every):
+        for first_step, steps in segments(num_steps, drain_every, sync_warmup):
             order += one_f_one_b(
                 stage, num_stages, first_step * num_microbatches, steps * num_microbatches
             )

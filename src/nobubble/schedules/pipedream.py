@@ -20,9 +20,13 @@ SUMMARY = "async: 1F1B no flush, stash the forward's weights, step every a backw
 
 
 def generate(
-    num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None = None
+    num_stages: int,
+    num_microbatches: int,
+    num_steps: int,
+    drain_every: int | None = None,
+    sync_warmup: int = 0,
 ) -> Schedule:
-    ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every)
+    ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every, sync_warmup)
     return Schedule(
         NAME,
         num_stages,
@@ -32,4 +36,5 @@ def generate(
         "stashed",
         ranks,
         drain_every=drain_every,
+        sync_warmup=sync_warmup,
     )

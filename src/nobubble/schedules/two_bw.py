@@ -19,14 +19,18 @@ SUMMARY = "async: 1F1B no flush, batch j at version j-1 (one-step delay), 2 weig
 
 
 def generate(
-    num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None = None
+    num_stages: int,
+    num_microbatches: int,
+    num_steps: int,
+    drain_every: int | None = None,
+    sync_warmup: int = 0,
 ) -> Schedule:
     if num_microbatches < num_stages - 1:
         raise ScheduleError(
             f"2bw needs micro-batches per step M >= P-1, got M={num_microbatches} with "
             f"P={num_stages}; use --microbatches {num_stages - 1} or more, or fewer stages"
         )
-    ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every)
+    ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every, sync_warmup)
     return Schedule(
         NAME,
         num_stages,
@@ -36,4 +40,5 @@ def generate(
         "stashed",
         ranks,
         drain_every=drain_every,
+        sync_warmup=sync_warmup,
     )

@@ -1,0 +1,66 @@
+"""All stages in one process: each rank's order runs through the shared interpreter.
+
+The emulator is a work list like the simulator's engine: it runs a rank until its next action's
+input (named by the dependency rule) is not in the in-process mailbox yet, then moves to the
+ranks that consume what it produced. The numbers depend only on the per-rank orders, so they are
+those of the multi-process runtime, whatever the interleaving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nobubble.deps import remote_dependency
+from nobubble.exec.interpreter import Interpreter
+from nobubble.exec.transport import InProcessTransport
+from nobubble.ir import STEP, Action, Schedule
+
+
+class Emulator:
+    def __init__(
+        self,
+        schedule: Schedule,
+        interpreters: list[Interpreter],
+        transport: InProcessTransport,
+        start_step: int = 0,
+    ) -> None:
+        self.schedule, self.interpreters, self.transport = schedule, interpreters, transport
+        self.pointer = [self._position_after_step(r, start_step) for r in range(schedule.num_ranks)]
+        self.on_step: Callable[[Action], None] | None = None
+
+    def _position_after_step(self, rank: int, step: int) -> int:
+        if step == 0:
+            return 0
+        order = self.schedule.ranks[rank]
+        return next(i + 1 for i, a in enumerate(order) if a.kind == STEP and a.number == step)
+
+    def _ready(self, action: Action) -> bool:
+        if action.kind == STEP:
+            global_clip = self.interpreters[action.stage].global_clip
+            return not global_clip or self.transport.reduce_ready(action.number)
+        source = remote_dependency(action, self.schedule.num_stages)
+        return source is None or self.transport.has(source)
+
+    def run(self, until_step: int) -> None:
+        """Run every rank through its STEP ``until_step`` (a drain point, or the last step)."""
+        num_ranks = self.schedule.num_ranks
+        stop = [self._position_after_step(r, until_step) for r in range(num_ranks)]
+        pending = list(range(num_ranks - 1, -1, -1))
+        queued = [True] * num_ranks
+        while pending:
+            rank = pending.pop()
+            queued[rank] = False
+            order, i, advanced = self.schedule.ranks[rank], self.pointer[rank], False
+            while i < stop[rank] and self._ready(order[i]):
+                self.interpreters[rank].execute(order[i])
+                if order[i].kind == STEP and self.on_step is not None:
+                    self.on_step(order[i])
+                i, advanced = i + 1, True
+            self.pointer[rank] = i
+            if advanced:  # every other rank may be waiting on this one (messages, the norm sum)
+                for other in range(num_ranks):
+                    if not queued[other] and self.pointer[other] < stop[other]:
+                        queued[other] = True
+                        pending.append(other)
+        stuck = [r for r in range(num_ranks) if self.pointer[r] < stop[r]]
+        assert not stuck, f"emulator stuck at {[(r, self.pointer[r]) for r in stuck]} (validate?)"

@@ -1,0 +1,173 @@
+"""The stage worker: one stage's module, its weight versions, gradients and optimizer step.
+
+It knows nothing about other stages or transports: the interpreter hands it inputs and ships its
+outputs. Forward reads the weight version the ledger names; backward accumulates the averaged
+gradient into the master parameters' ``.grad``; step applies the batch (clip, delay correction,
+optimizer) and creates the next version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from nobubble.exec.versions import WeightVersions
+from nobubble.ir import Schedule
+from nobubble.ledger import StageLedger
+from nobubble.model import StageModule
+from nobubble.optim import (
+    DelayCorrection,
+    StageOptimizer,
+    clip_coefficient,
+    grad_sq_norm,
+    grads_finite,
+    scale_grads_,
+)
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Saved:
+    """What a forward keeps for its backward."""
+
+    version: int
+    weights: dict[str, torch.Tensor]  # the alias leaves the graph was built on
+    inputs: torch.Tensor  # stage input: token ids on stage 0, a grad-requiring leaf elsewhere
+    output: torch.Tensor | None  # None in recompute mode (the graph is rebuilt at backward)
+    activation_bytes: int
+
+
+class StageWorker:
+    def __init__(
+        self,
+        module: StageModule,
+        schedule: Schedule,
+        ledger: StageLedger,
+        optimizer: StageOptimizer,
+        correction: DelayCorrection,
+        batch_fn: Callable[[int], Batch],
+        lr_fn: Callable[[int], float],
+        clip_norm: float | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        recompute: bool = False,
+    ) -> None:
+        self.module, self.schedule, self.ledger = module, schedule, ledger
+        self.stage = module.stage
+        self.optimizer, self.correction = optimizer, correction
+        self.batch_fn, self.lr_fn, self.clip_norm = batch_fn, lr_fn, clip_norm
+        self.autocast_dtype, self.recompute = autocast_dtype, recompute
+        self.named = list(module.named_parameters())
+        self.versions = WeightVersions(self.named, schedule, ledger)
+        self.saved: dict[int, Saved] = {}
+        self.backwards_in_batch = 0
+        self.losses: dict[int, float] = {}  # micro-batch -> loss (last stage only)
+        self.peak_saved = 0
+        self.peak_activation_bytes = 0
+        self.last_grad_norm = 0.0
+
+    # ----- forward -------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = self.named[0][1].device.type
+        return torch.autocast(device_type=device, dtype=self.autocast_dtype)
+
+    def _run(self, version: int, inputs: torch.Tensor, m: int) -> torch.Tensor:
+        weights = self.versions.get(version)
+        targets = self.batch_fn(m)[1] if self.module.is_last else None
+        with self._autocast():
+            out = functional_call(self.module, weights, (inputs,), {"targets": targets})
+        if self.module.is_last:
+            self.losses[m] = float(out.detach())
+            out = out / self.schedule.num_microbatches  # the batch loss is the micro-batch mean
+        return out
+
+    def forward(self, m: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Run micro-batch m; return the activation to send on (None on the last stage)."""
+        version = self.ledger.fwd_version[m]
+        if self.module.is_first:
+            inputs = self.batch_fn(m)[0]
+        else:
+            assert received is not None, f"stage {self.stage} got no activation for {m}"
+            inputs = received.detach().requires_grad_(True)
+        if self.recompute:
+            with torch.no_grad():
+                out = self._run(version, inputs, m)
+            saved_out = None
+        else:
+            out = self._run(version, inputs, m)
+            saved_out = out
+        nbytes = inputs.numel() * inputs.element_size()
+        self.saved[m] = Saved(version, self.versions.get(version), inputs, saved_out, nbytes)
+        self._track_memory()
+        self.versions.consumed(version)
+        return None if self.module.is_last else out.detach()
+
+    def _track_memory(self) -> None:
+        self.peak_saved = max(self.peak_saved, len(self.saved))
+        held = sum(s.activation_bytes for s in self.saved.values())
+        self.peak_activation_bytes = max(self.peak_activation_bytes, held)
+
+    # ----- backward ------------------------------------------------------------------------
+    def backward(self, m: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of micro-batch m; return the gradient for the previous stage (or None)."""
+        saved = self.saved.pop(m)
+        version = self.ledger.bwd_version[m]
+        if self.recompute:  # rebuild the graph with the weights current now (live weights)
+            weights = self.versions.get(version)
+            out = self._run(version, saved.inputs, m)
+        else:
+            # Stashed rules: the forward's aliases hold the stash. Live rules: the aliases share
+            # the master's storage, so the saved graph reads the weights as updated since.
+            assert saved.output is not None
+            weights, out = saved.weights, saved.output
+        leaves = list(weights.values())
+        wants_input = not self.module.is_first
+        targets = ([saved.inputs] if wants_input else []) + leaves
+        grads = torch.autograd.grad(out, targets, grad_outputs=grad_out)
+        grad_in = grads[0] if wants_input else None
+        with torch.no_grad():
+            for (_, p), g in zip(self.named, grads[len(grads) - len(leaves):], strict=True):
+                if p.grad is None:
+                    p.grad = g.to(p.dtype).clone()
+                else:
+                    p.grad.add_(g)
+        if self.schedule.backward_rule == "stashed":
+            self.versions.consumed(version)
+        self.backwards_in_batch += 1
+        return grad_in
+
+    @property
+    def batch_complete(self) -> bool:
+        return self.backwards_in_batch == self.schedule.num_microbatches
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return grad_sq_norm(p for _, p in self.named)
+
+    # ----- step ----------------------------------------------------------------------------
+    def step(self, step: int, total_sq_norm: torch.Tensor | None = None) -> None:
+        """Apply batch ``step - 1``: lr, clipping, correction and optimizer, new version."""
+        assert self.batch_complete, f"stage {self.stage}: step {step} before its batch finished"
+        params = [p for _, p in self.named]
+        if not grads_finite(params):
+            raise FloatingPointError(
+                f"stage {self.stage}, step {step}: non-finite gradients; lower --lr, enable "
+                "clipping (--clip 1.0) or train in fp32 (--dtype fp32)"
+            )
+        norm = math.sqrt(float(self.grad_sq_norm() if total_sq_norm is None else total_sq_norm))
+        self.last_grad_norm = norm
+        if self.clip_norm is not None:
+            scale_grads_(params, clip_coefficient(norm, self.clip_norm))
+        self.optimizer.set_lr(self.lr_fn(step - 1))
+        self.versions.before_update()
+        self.correction.apply(params, self.optimizer.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.versions.after_update()
+        self.backwards_in_batch = 0
