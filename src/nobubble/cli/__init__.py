@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from nobubble import __version__
-from nobubble.cli import schedule_cmds
+from nobubble.cli import schedule_cmds, train_cmds
 
 log = logging.getLogger("nobubble")
 
@@ -26,12 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     schedule_cmds.register(sub)
+    train_cmds.register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "takes_unknown", False):
+        args.train_args = unknown  # `train` parses its own flags (see train_cmds)
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -42,7 +42,17 @@ def build_workers(
     recompute: bool = False,
 ) -> list[StageWorker]:
     return [
-        StageWorker(module, schedule, ledger.stages[s], optimizers[s], corrections[s], batch_fn,
-                    lr_fn, clip_norm, autocast_dtype, recompute)
+        StageWorker(
+            module,
+            schedule,
+            ledger.stages[s],
+            optimizers[s],
+            corrections[s],
+            batch_fn,
+            lr_fn,
+            clip_norm,
+            autocast_dtype,
+            recompute,
+        )
         for s, module in enumerate(stages)
     ]

@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from nobubble.deps import remote_dependency, sends_after
 from nobubble.exec.transport import Transport
 from nobubble.exec.worker import StageWorker
-from nobubble.ir import B, F, STEP, Action
+from nobubble.ir import STEP, Action, B, F
 
 
 class Interpreter:
@@ -23,10 +25,11 @@ class Interpreter:
         transport: Transport,
         num_stages: int,
         global_clip: bool = False,
+        record: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.worker, self.transport, self.num_stages = worker, transport, num_stages
-        self.global_clip = global_clip
+        self.global_clip, self.record = global_clip, record
         self.clock = clock
         self.spans: list[tuple[Action, float, float]] = []
         self.handlers: dict[str, Callable[[Action], None]] = {
@@ -36,15 +39,18 @@ class Interpreter:
         }
 
     def execute(self, action: Action) -> None:
+        if not self.record:
+            self.handlers[action.kind](action)
+            return
         start = self.clock()
         self.handlers[action.kind](action)
         self.spans.append((action, start, self.clock()))
 
-    def _receive(self, action: Action):  # type: ignore[no-untyped-def]
+    def _receive(self, action: Action) -> torch.Tensor | None:
         source = remote_dependency(action, self.num_stages)
         return None if source is None else self.transport.recv(source, action.stage)
 
-    def _ship(self, action: Action, tensor) -> None:  # type: ignore[no-untyped-def]
+    def _ship(self, action: Action, tensor: torch.Tensor | None) -> None:
         consumer = sends_after(action, self.num_stages)
         if consumer is not None:
             assert tensor is not None, f"{action} produced nothing for {consumer}"

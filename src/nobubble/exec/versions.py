@@ -35,8 +35,13 @@ def alias(p: torch.Tensor) -> torch.Tensor:
 class WeightVersions:
     """The alias sets of the live versions of one stage and how many reads each has left."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], schedule: Schedule,
-                 ledger: StageLedger, current: int = 0) -> None:
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        schedule: Schedule,
+        ledger: StageLedger,
+        current: int = 0,
+    ) -> None:
         self.named = named
         self.current = current
         self.reads_left: Counter[int] = Counter(ledger.fwd_version)
@@ -80,3 +85,27 @@ class WeightVersions:
         self.current += 1
         self.live[self.current] = self._aliases()
         self.peak_live = max(self.peak_live, len(self.live))
+
+    # ----- checkpoints (taken at drain points: nothing in flight) ---------------------------
+    def state_dict(self) -> dict[str, object]:
+        """The current version number and the stashed versions other than the current one."""
+        stash = {
+            v: {name: t.detach().clone() for name, t in weights.items()}
+            for v, weights in self.live.items()
+            if v != self.current
+        }
+        return {"current": self.current, "stash": stash}
+
+    def load_state_dict(
+        self, state: dict[str, object], ledger: StageLedger, stashed: bool, first_microbatch: int
+    ) -> None:
+        """Restore after the master parameters were loaded; reads before the drain are spent."""
+        current = state["current"]
+        assert isinstance(current, int)
+        self.current = current
+        self.live = {current: self._aliases()}
+        stash = state["stash"]
+        assert isinstance(stash, dict)
+        for v, weights in stash.items():
+            self.live[int(v)] = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
+        self.forget_before(first_microbatch, ledger, stashed)

@@ -70,7 +70,7 @@ class StageWorker:
         self.losses: dict[int, float] = {}  # micro-batch -> loss (last stage only)
         self.peak_saved = 0
         self.peak_activation_bytes = 0
-        self.last_grad_norm = 0.0
+        self.grad_norms: dict[int, float] = {}  # step -> gradient norm before clipping
 
     # ----- forward -------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -134,7 +134,7 @@ class StageWorker:
         grads = torch.autograd.grad(out, targets, grad_outputs=grad_out)
         grad_in = grads[0] if wants_input else None
         with torch.no_grad():
-            for (_, p), g in zip(self.named, grads[len(grads) - len(leaves):], strict=True):
+            for (_, p), g in zip(self.named, grads[len(grads) - len(leaves) :], strict=True):
                 if p.grad is None:
                     p.grad = g.to(p.dtype).clone()
                 else:
@@ -151,18 +151,48 @@ class StageWorker:
     def grad_sq_norm(self) -> torch.Tensor:
         return grad_sq_norm(p for _, p in self.named)
 
+    # ----- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this stage needs to continue from a drain point."""
+        assert not self.saved and self.backwards_in_batch == 0, "checkpoint only at a drain point"
+        return {
+            "stage": self.stage,
+            "module": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "correction": self.correction.state_dict(),
+            "versions": self.versions.state_dict(),
+            "peak_saved": self.peak_saved,
+            "peak_activation_bytes": self.peak_activation_bytes,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["stage"] != self.stage:
+            raise ValueError(
+                f"checkpoint part of stage {state['stage']} given to stage {self.stage}"
+            )
+        with torch.no_grad():
+            for name, p in self.named:
+                p.copy_(state["module"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.correction.load_state_dict(state["correction"])
+        stashed = self.schedule.backward_rule == "stashed"
+        first = state["versions"]["current"] * self.schedule.num_microbatches
+        self.versions.load_state_dict(state["versions"], self.ledger, stashed, first)
+        self.peak_saved = state["peak_saved"]
+        self.peak_activation_bytes = state["peak_activation_bytes"]
+
     # ----- step ----------------------------------------------------------------------------
     def step(self, step: int, total_sq_norm: torch.Tensor | None = None) -> None:
         """Apply batch ``step - 1``: lr, clipping, correction and optimizer, new version."""
         assert self.batch_complete, f"stage {self.stage}: step {step} before its batch finished"
-        params = [p for _, p in self.named]
+        params: list[torch.Tensor] = [p for _, p in self.named]
         if not grads_finite(params):
             raise FloatingPointError(
                 f"stage {self.stage}, step {step}: non-finite gradients; lower --lr, enable "
                 "clipping (--clip 1.0) or train in fp32 (--dtype fp32)"
             )
         norm = math.sqrt(float(self.grad_sq_norm() if total_sq_norm is None else total_sq_norm))
-        self.last_grad_norm = norm
+        self.grad_norms[step] = norm
         if self.clip_norm is not None:
             scale_grads_(params, clip_coefficient(norm, self.clip_norm))
         self.optimizer.set_lr(self.lr_fn(step - 1))

@@ -1,0 +1,126 @@
+"""Build the pieces of a run from a ``TrainConfig``: data, model stages, schedule, workers.
+
+Shared by the emulator (all stages in one process) and the multi-process runtime (one stage per
+rank), so both start from the same numbers: same seed, same split, same schedule and ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nobubble.config import TrainConfig
+from nobubble.data import TokenData, prepare_data
+from nobubble.exec import StageWorker
+from nobubble.ir import Schedule
+from nobubble.ledger import Ledger, build_ledger
+from nobubble.model import (
+    ModelConfig,
+    StageModule,
+    build_model,
+    describe_partition,
+    model_config,
+    partition_layers,
+    split_model,
+)
+from nobubble.optim import (
+    DelayCorrection,
+    ErrorFeedback,
+    NoCorrection,
+    build_optimizer,
+    lr_at,
+)
+from nobubble.schedules import SCHEDULES, build_schedule
+from nobubble.validate import validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every rank agrees on before training: schedule, ledger, model shape and split."""
+
+    cfg: TrainConfig
+    schedule: Schedule
+    ledger: Ledger
+    model_cfg: ModelConfig
+    layer_ranges: list[range]
+
+    @property
+    def drain_points(self) -> list[int]:
+        """Steps after which nothing is in flight: evaluation and checkpoint points."""
+        every = self.cfg.eval_every
+        return sorted({*range(every, self.cfg.steps, every), self.cfg.steps})
+
+
+def make_schedule(cfg: TrainConfig) -> Schedule:
+    # Asynchronous schedules drain where the run evaluates and checkpoints; synchronous ones
+    # drain after every step anyway.
+    drain = None if SCHEDULES[cfg.schedule].synchronous else cfg.eval_every
+    schedule = build_schedule(
+        cfg.schedule,
+        cfg.stages,
+        cfg.microbatches,
+        cfg.steps,
+        cfg.accum,
+        drain_every=drain,
+        sync_warmup=cfg.sync_warmup_steps,
+    )
+    validate(schedule)
+    return schedule
+
+
+def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
+    schedule = make_schedule(cfg)
+    model_cfg = model_config(cfg.model, vocab_size, cfg.seq_len)
+    ranges = partition_layers(model_cfg, cfg.stages, seq_len=cfg.seq_len)
+    return Plan(cfg, schedule, build_ledger(schedule), model_cfg, ranges)
+
+
+def load_data(cfg: TrainConfig) -> TokenData:
+    return prepare_data(cfg.data_config())
+
+
+def make_stages(plan: Plan) -> list[StageModule]:
+    """All stage modules; each rank of the runtime keeps only its own."""
+    model = build_model(plan.model_cfg, plan.cfg.seed)
+    log.info(
+        "model %s: %.2fM parameters, split over %d stages:\n%s",
+        plan.cfg.model,
+        plan.model_cfg.num_params() / 1e6,
+        plan.cfg.stages,
+        describe_partition(plan.model_cfg, plan.layer_ranges, seq_len=plan.cfg.seq_len),
+    )
+    return split_model(model, plan.cfg.stages, plan.layer_ranges)
+
+
+def make_correction(cfg: TrainConfig) -> DelayCorrection:
+    return ErrorFeedback(cfg.ef_lambda) if cfg.correction == "ef" else NoCorrection()
+
+
+def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker:
+    cfg = plan.cfg
+    optim_cfg = cfg.optim_config()
+    optimizer = build_optimizer(optim_cfg, list(module.named_parameters()))
+    b = cfg.micro_batch_size
+
+    def batch_fn(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return data.train_microbatch(m, b)
+
+    def lr_fn(step: int) -> float:
+        return lr_at(step, cfg.steps, optim_cfg)
+
+    return StageWorker(
+        module,
+        plan.schedule,
+        plan.ledger.stages[module.stage],
+        optimizer,
+        make_correction(cfg),
+        batch_fn,
+        lr_fn,
+        clip_norm=optim_cfg.clip_norm,
+        autocast_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
+        recompute=cfg.paci_recompute,
+    )

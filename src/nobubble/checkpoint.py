@@ -1,0 +1,121 @@
+"""Checkpoints at drain points (design.md section 5): one part per stage plus a manifest.
+
+Layout: ``RUN/checkpoint/{stage0.pt, ..., manifest.json}``. Parts are written into a temporary
+folder (each rank writes its own part in the multi-process runtime); the manifest, with every
+part's sha256 and the run's fingerprint, is written last, and only then does the folder replace
+the previous checkpoint. A folder without a manifest, a part whose checksum differs, or a
+fingerprint that disagrees with the resuming config is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT = "checkpoint"
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupted or belongs to another configuration."""
+
+
+def staging_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / f".{CHECKPOINT}-{step}.tmp"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_part(staging: Path, stage: int, part: dict[str, Any]) -> None:
+    """Write one stage's part atomically (temporary file, then rename)."""
+    staging.mkdir(parents=True, exist_ok=True)
+    final = staging / f"stage{stage}.pt"
+    tmp = final.with_suffix(".pt.tmp")
+    torch.save(part, tmp)
+    os.replace(tmp, final)
+
+
+def finalize(
+    run_dir: Path, step: int, num_stages: int, fingerprint: dict[str, Any], extra: dict[str, Any]
+) -> Path:
+    """Write the manifest once every part exists, then swap the folder into place."""
+    staging = staging_dir(run_dir, step)
+    files = {f"stage{s}.pt": _sha256(staging / f"stage{s}.pt") for s in range(num_stages)}
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "num_stages": num_stages,
+        "fingerprint": fingerprint,
+        "files": files,
+        **extra,
+    }
+    tmp = staging / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, staging / MANIFEST)
+    final, old = run_dir / CHECKPOINT, run_dir / f".{CHECKPOINT}-old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / CHECKPOINT / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"no complete checkpoint in {str(run_dir)!r} ({CHECKPOINT}/{MANIFEST} is missing); "
+            "checkpoints are written every --checkpoint-every steps and at the end of a run"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint manifest {str(path)!r} is corrupted: {err}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint format {manifest.get('format')!r} in {str(path)!r} is "
+            f"not {FORMAT}: it was written by another nobubble version"
+        )
+    return manifest
+
+
+def check_fingerprint(manifest: dict[str, Any], fingerprint: dict[str, Any], where: Path) -> None:
+    saved = manifest["fingerprint"]
+    differ = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
+    if differ:
+        details = ", ".join(
+            f"{k}: checkpoint {saved.get(k)!r} vs now {fingerprint.get(k)!r}" for k in differ
+        )
+        raise CheckpointError(
+            f"checkpoint in {str(where)!r} belongs to another configuration "
+            f"({details}); resume with the same settings or start a new --out"
+        )
+
+
+def load_part(run_dir: Path, manifest: dict[str, Any], stage: int) -> dict[str, Any]:
+    name = f"stage{stage}.pt"
+    path = run_dir / CHECKPOINT / name
+    if not path.is_file() or _sha256(path) != manifest["files"].get(name):
+        raise CheckpointError(
+            f"checkpoint part {str(path)!r} is missing or corrupted (checksum "
+            "mismatch); resume from an intact checkpoint or start over"
+        )
+    try:
+        part: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # any unpickling failure means the same thing to the user
+        raise CheckpointError(f"checkpoint part {str(path)!r} cannot be read: {err}") from None
+    return part

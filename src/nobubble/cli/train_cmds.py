@@ -1,0 +1,151 @@
+"""``nobubble train``: one flag per ``TrainConfig`` field (a config file may set the same)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import MISSING, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nobubble.config import TrainConfig
+
+HELP = {
+    "correction": "none | ef (update-level error feedback) | sync-warmup",
+    "ef_lambda": "error-feedback lambda (default 1)",
+    "sync_warmup": "synchronous steps first with --correction sync-warmup (0: 10%% of --steps)",
+    "accum": "accumulation factor a of pipedream (default 1) and paci (default --microbatches)",
+    "clip": "gradient-norm clip, 0 disables",
+    "clip_scope": "auto (global for sync, per stage for async) | stage | global",
+    "data": "'shakespeare' (default corpus), a text file or folder, or .bin shards",
+    "eval_every": "validate (and drain async schedules) every K steps",
+    "checkpoint_every": "checkpoint every K steps (multiple of --eval-every; 0: at the end)",
+    "dtype": "fp32 | bf16 (autocast, fp32 master weights)",
+    "runtime": "emulate (one process) | dist (one process per stage)",
+    "resume": "continue the run in this directory from its last checkpoint",
+    "out": "run directory (default runs/<time>-<schedule>-<optimizer>)",
+    "threads": "torch threads per process (0: torch default)",
+    "stop_at": "stop after the checkpoint of this step (resume later with --resume)",
+}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    """The full ``train`` parser; built only for ``train`` because it imports torch."""
+    from nobubble.config import TrainConfig
+    from nobubble.data.config import TOKENIZERS
+    from nobubble.model import MODEL_PRESETS
+    from nobubble.optim import OPTIMIZERS
+    from nobubble.schedules import SCHEDULE_NAMES
+
+    choices: dict[str, tuple[str, ...]] = {
+        "schedule": SCHEDULE_NAMES,
+        "optimizer": OPTIMIZERS,
+        "model": tuple(MODEL_PRESETS),
+        "tokenizer": TOKENIZERS,
+    }
+    p = argparse.ArgumentParser(
+        prog="nobubble train", description="Train a language model under a pipeline schedule."
+    )
+
+    p.add_argument("--config", metavar="FILE", help="JSON or TOML file with the same keys")
+    p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is MISSING else f.default
+        kind: Any = {"int": int, "float": float, "bool": _parse_bool}.get(
+            type(default).__name__, str
+        )
+        if f.name == "accum":
+            kind = int
+        if f.name == "progress":
+            p.add_argument(
+                "--no-progress",
+                dest="progress",
+                action="store_const",
+                const=False,
+                default=None,
+                help="no progress bar",
+            )
+            continue
+        help_text = HELP.get(f.name, "") + f" (default {default})"
+        p.add_argument(
+            flag,
+            dest=f.name,
+            type=kind,
+            default=None,
+            choices=choices.get(f.name),
+            help=help_text.strip(),
+        )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from nobubble.config import TrainConfig
+
+    values: dict[str, Any] = TrainConfig.load(args.config) if args.config else {}
+    names = {f.name for f in fields(TrainConfig)}
+    values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
+    if args.resume and not args.config:  # a resumed run takes the saved settings by default
+        saved = TrainConfig.load(f"{args.resume}/config.json")["config"]
+        values = {**saved, **values}
+    return TrainConfig.from_mapping(values)
+
+
+def cmd_train(outer: argparse.Namespace) -> int:
+    args = build_train_parser().parse_args(outer.train_args)
+    cfg = config_from_args(args)
+    if cfg.runtime == "dist":
+        from nobubble.dist.launch import run_dist  # layer 2, imported only when asked for
+
+        result = run_dist(cfg)
+    else:
+        from nobubble.train import Trainer
+
+        result = Trainer(cfg).run()
+    summary = result.summary
+    if args.json:
+        print(json.dumps({"run_dir": str(result.run_dir), **summary}))
+        return 0
+    out = sys.stdout
+    print(f"run directory: {result.run_dir}", file=out)
+    for key in (
+        "schedule",
+        "optimizer",
+        "correction",
+        "stages",
+        "steps",
+        "first_loss",
+        "last_loss",
+        "val_loss",
+        "tokens",
+        "elapsed_s",
+        "tokens_per_s",
+        "peak_inflight",
+        "peak_weight_versions",
+        "peak_activation_bytes",
+    ):
+        value = summary.get(key)
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        print(f"  {key:<22} {value}", file=out)
+    if summary.get("sample"):
+        print("sample:\n" + summary["sample"], file=out)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    # The flags are parsed by build_train_parser() once `train` is chosen, so the torch-free
+    # commands start without importing torch.
+    p = sub.add_parser(
+        "train", help="train a language model under a pipeline schedule", add_help=False
+    )
+    p.set_defaults(func=cmd_train, takes_unknown=True)

@@ -1,0 +1,279 @@
+"""``TrainConfig``: everything a training run needs, validated on construction.
+
+Flat on purpose: one field per command-line flag (``--ef-lambda`` is ``ef_lambda``), so a config
+file (JSON or TOML with the same keys) and the flags are the same thing. The component configs
+(``OptimConfig``, ``DataConfig``, the model preset) are derived from it and validate their own
+parts; everything that can be checked without data is checked here, before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from nobubble.data import DataConfig
+from nobubble.model import MODEL_PRESETS
+from nobubble.optim import OPTIMIZERS, OptimConfig
+from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, resolve_microbatches
+
+CORRECTIONS = ("none", "ef", "sync-warmup")
+DTYPES = ("fp32", "bf16")
+CLIP_SCOPES = ("auto", "stage", "global")
+RUNTIMES = ("emulate", "dist")
+# Fields that change the numbers of a run; a checkpoint only resumes a run that agrees on them.
+RUNTIME_ONLY = (
+    "out",
+    "resume",
+    "runtime",
+    "progress",
+    "sample_tokens",
+    "dist_timeout",
+    "threads",
+    "stop_at",
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Every field is a ``nobubble train`` flag of the same name.
+
+    schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion.
+    correction: none | ef (update-level error feedback, ``ef_lambda``) | sync-warmup
+        (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
+    stages: pipeline stages P. microbatches: M per step. accum: ``a`` of pipedream/paci.
+    micro_batch_size: sequences per micro-batch. steps: optimizer steps. lr: peak learning rate.
+    clip: gradient-norm clip (0 disables). clip_scope: auto (global for synchronous schedules,
+        per stage for asynchronous ones, which must not synchronize stages) | stage | global.
+    eval_every: validation every K steps; asynchronous schedules drain there (design.md sec. 5).
+    checkpoint_every: checkpoint every K steps (a multiple of eval_every); 0 = only at the end.
+    dtype: fp32 | bf16 (autocast, fp32 master weights). paci_recompute: recompute the stage
+        forward at backward time instead of keeping the forward's graph.
+    threads: torch intra-op threads per process (0: torch's default; the multi-process runtime
+        defaults to cores / stages, since OpenMP threads that outnumber cores spin and stall).
+    stop_at: stop after the checkpoint of this step (a planned interruption; --resume continues).
+    """
+
+    schedule: str = "paci"
+    optimizer: str = "adamw"
+    correction: str = "none"
+    ef_lambda: float = 1.0
+    sync_warmup: int = 0
+    stages: int = 2
+    microbatches: int = 4
+    accum: int | None = None
+    micro_batch_size: int = 8
+    steps: int = 300
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_frac: float = 0.1
+    min_lr_ratio: float = 0.1
+    momentum: float = 0.95
+    clip: float = 1.0
+    clip_scope: str = "auto"
+    seed: int = 0
+    data: str = "shakespeare"
+    tokenizer: str = "bpe"
+    vocab_size: int = 4096
+    seq_len: int = 128
+    model: str = "tiny"
+    dtype: str = "fp32"
+    paci_recompute: bool = False
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    sample_tokens: int = 200
+    runtime: str = "emulate"
+    dist_timeout: float = 60.0
+    out: str | None = None
+    resume: str | None = None
+    progress: bool = True
+    threads: int = 0
+    stop_at: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("schedule", self.schedule, SCHEDULE_NAMES)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("correction", self.correction, CORRECTIONS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("clip-scope", self.clip_scope, CLIP_SCOPES)
+        _choice("runtime", self.runtime, RUNTIMES)
+        _choice("model", self.model, tuple(MODEL_PRESETS))
+        for name in (
+            "stages",
+            "microbatches",
+            "micro_batch_size",
+            "steps",
+            "eval_every",
+            "eval_batches",
+            "seq_len",
+        ):
+            _positive(name, getattr(self, name))
+        for name in (
+            "sync_warmup",
+            "checkpoint_every",
+            "seed",
+            "sample_tokens",
+            "threads",
+            "stop_at",
+        ):
+            _positive(name, getattr(self, name), minimum=0)
+        if self.accum is not None:
+            _positive("accum", self.accum)
+        for name in ("clip", "ef_lambda", "dist_timeout"):
+            _finite_nonnegative(name, getattr(self, name))
+        self._check_combinations()
+        self.optim_config()  # validates lr, weight decay, warmup, ...
+        self.data_config()
+
+    def _check_combinations(self) -> None:
+        info = SCHEDULES[self.schedule]
+        n_layers = MODEL_PRESETS[self.model].n_layers
+        if self.stages > n_layers:
+            raise ValueError(
+                f"--stages {self.stages} is more than the {n_layers} layers of model "
+                f"{self.model!r}: use --stages {n_layers} or fewer, or a larger --model"
+            )
+        if self.accum is not None and not info.uses_accum:
+            raise ValueError(
+                f"--accum applies to pipedream and paci, not {self.schedule}; use --microbatches"
+            )
+        if self.schedule == "2bw" and self.num_microbatches < self.stages - 1:
+            raise ValueError(
+                f"2bw needs --microbatches >= stages-1 = {self.stages - 1}, got "
+                f"{self.num_microbatches}"
+            )
+        if self.correction != "none" and info.synchronous:
+            raise ValueError(
+                f"--correction {self.correction} corrects asynchronous schedules; "
+                f"{self.schedule} is synchronous: use --correction none"
+            )
+        if self.clip_scope == "global" and not info.synchronous:
+            raise ValueError(
+                f"--clip-scope global would synchronize the stages of the "
+                f"asynchronous {self.schedule}: use --clip-scope stage or auto"
+            )
+        if self.checkpoint_every % self.eval_every:
+            raise ValueError(
+                f"--checkpoint-every {self.checkpoint_every} must be a multiple of "
+                f"--eval-every {self.eval_every} (checkpoints need drain points)"
+            )
+        if self.paci_recompute and self.schedule != "paci":
+            raise ValueError("--paci-recompute applies to --schedule paci only")
+        every = self.checkpoint_every
+        if self.stop_at and not (self.stop_at < self.steps and every and self.stop_at % every == 0):
+            raise ValueError(
+                f"--stop-at {self.stop_at} must be a checkpoint step below --steps "
+                f"{self.steps} (a multiple of --checkpoint-every)"
+            )
+        if self.sync_warmup >= self.steps:
+            raise ValueError(f"--sync-warmup {self.sync_warmup} must be below --steps {self.steps}")
+
+    # ----- derived ---------------------------------------------------------------------------
+    @property
+    def num_microbatches(self) -> int:
+        """M per optimizer step as the schedule reads it (``a`` for pipedream and paci)."""
+        return resolve_microbatches(self.schedule, self.microbatches, self.accum)
+
+    @property
+    def sync_warmup_steps(self) -> int:
+        if self.correction != "sync-warmup":
+            return 0
+        return self.sync_warmup or max(1, self.steps // 10)
+
+    @property
+    def global_clip(self) -> bool:
+        if self.clip == 0:
+            return False
+        if self.clip_scope == "auto":
+            return SCHEDULES[self.schedule].synchronous
+        return self.clip_scope == "global"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.num_microbatches * self.micro_batch_size * self.seq_len
+
+    def optim_config(self) -> OptimConfig:
+        return OptimConfig(
+            name=self.optimizer,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            warmup_frac=self.warmup_frac,
+            min_lr_ratio=self.min_lr_ratio,
+            clip_norm=self.clip if self.clip > 0 else None,
+        )
+
+    def data_config(self) -> DataConfig:
+        data = DataConfig(
+            source=self.data,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            seed=self.seed,
+        )
+        if data.source != "shakespeare" and not Path(data.source).exists():
+            raise ValueError(
+                f"--data {data.source!r} does not exist: give a text file, a "
+                "folder of .txt files, .bin shards, or 'shakespeare'"
+            )
+        return data
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The fields that fix the numbers (everything but where and how it runs)."""
+        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_ONLY}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_mapping(values: dict[str, Any], base: TrainConfig | None = None) -> TrainConfig:
+        known = {f.name for f in fields(TrainConfig)}
+        normalized = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(normalized) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown config keys {unknown}; valid keys: {', '.join(sorted(known))}"
+            )
+        return replace(base or TrainConfig(), **normalized)
+
+    @staticmethod
+    def load(path: str | Path) -> dict[str, Any]:
+        """Read a JSON or TOML config file into a mapping of field values."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        try:
+            if path.suffix == ".toml":
+                return tomllib.loads(path.read_text())
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+            raise ValueError(f"config file {str(path)!r} is not valid: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {str(path)!r} must hold an object of flag values")
+        return data
+
+
+def _choice(flag: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"--{flag} {value!r} is not known; valid values: {', '.join(allowed)}")
+
+
+def _positive(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        flag = name.replace("_", "-")
+        raise ValueError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def _finite_nonnegative(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        flag = name.replace("_", "-")
+        raise ValueError(f"--{flag} must be a finite number >= 0, got {value!r}")

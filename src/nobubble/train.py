@@ -1,0 +1,328 @@
+"""``nobubble train``: the training loop around the emulator, with evaluation, checkpoints and a
+run directory holding the resolved config, metrics, TensorBoard events, ledger and a sample.
+
+The loop runs the schedule from drain point to drain point (design.md section 5): there every
+stage holds the same weight version, so validation sees one well-defined model and a checkpoint
+holds no micro-batch in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nobubble import __version__
+from nobubble.assemble import Plan, load_data, make_plan, make_stages, make_worker
+from nobubble.checkpoint import (
+    check_fingerprint,
+    finalize,
+    load_part,
+    read_manifest,
+    save_part,
+    staging_dir,
+)
+from nobubble.config import TrainConfig
+from nobubble.data import TokenData
+from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
+from nobubble.ir import Action
+from nobubble.metrics import MetricsWriter, truncate_metrics
+from nobubble.model import GPT
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def provenance() -> dict[str, Any]:
+    return {
+        "nobubble": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_revision": git_revision(),
+        "created": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def resolve_run_dir(cfg: TrainConfig) -> Path:
+    if cfg.resume:
+        return Path(cfg.resume)
+    if cfg.out:
+        out = Path(cfg.out)
+        if (out / "metrics.jsonl").exists():
+            raise ValueError(
+                f"--out {cfg.out!r} already holds a run: use --resume {cfg.out} to "
+                "continue it, or another --out"
+            )
+        return out
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{cfg.schedule}-{cfg.optimizer}"
+
+
+def merged_model(plan: Plan, workers: list[StageWorker]) -> GPT:
+    """One GPT holding every stage's current master weights (names are split-independent)."""
+    model = GPT(plan.model_cfg)
+    state = {}
+    for w in workers:
+        state.update(w.module.state_dict())
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@torch.no_grad()
+def evaluate(plan: Plan, workers: list[StageWorker], data: TokenData) -> float:
+    model = merged_model(plan, workers)
+    batches = data.val_batches(plan.cfg.micro_batch_size, plan.cfg.eval_batches)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.cfg.dtype == "bf16")
+    with autocast:
+        losses = [float(model(x, y)) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def sample(
+    plan: Plan,
+    workers: list[StageWorker],
+    data: TokenData,
+    prompt: str = "ROMEO:",
+    temperature: float = 0.8,
+    top_k: int = 50,
+) -> str | None:
+    if data.tokenizer is None or plan.cfg.sample_tokens == 0:
+        return None
+    model = merged_model(plan, workers)
+    ids = data.tokenizer.encode(prompt)
+    gen = torch.Generator().manual_seed(plan.cfg.seed)
+    for _ in range(plan.cfg.sample_tokens):
+        context = torch.tensor([ids[-plan.cfg.seq_len :]])
+        logits = model(context)[0, -1] / temperature  # (V,)
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        probs = torch.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return data.tokenizer.decode(ids)
+
+
+class Trainer:
+    """Runs one configuration in the emulator and writes the run directory."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.run_dir = resolve_run_dir(cfg)
+        self.start_step, manifest = 0, None
+        if cfg.resume:  # check everything before any work or any write
+            saved = TrainConfig.load(self.run_dir / "config.json")["config"]
+            check_fingerprint(
+                {"fingerprint": TrainConfig.from_mapping(saved).fingerprint()},
+                cfg.fingerprint(),
+                self.run_dir,
+            )
+            manifest = read_manifest(self.run_dir)
+            check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
+            self.start_step = manifest["step"]
+        self.data = load_data(cfg)
+        self.plan = make_plan(cfg, self.data.vocab_size)
+        if self.start_step and self.start_step not in self.plan.drain_points:
+            raise ValueError(f"checkpoint step {self.start_step} is not a drain point")
+        stages = make_stages(self.plan)
+        self.workers = [make_worker(self.plan, m, self.data) for m in stages]
+        if manifest is not None:
+            parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.stages)]
+            for worker, part in zip(self.workers, parts, strict=True):
+                worker.load_state_dict(part)
+        self.transport = InProcessTransport(cfg.stages)
+        self.interpreters = [
+            Interpreter(w, self.transport, cfg.stages, cfg.global_clip, record=False)
+            for w in self.workers
+        ]
+        self.emulator = Emulator(
+            self.plan.schedule, self.interpreters, self.transport, start_step=self.start_step
+        )
+        self.emulator.on_step = self._on_step
+        self.stages_done: Counter[int] = Counter()
+        self.result = RunResult(self.run_dir)
+
+    # ----- per-step bookkeeping ----------------------------------------------------------------
+    def _on_step(self, action: Action) -> None:
+        step = action.number
+        self.stages_done[step] += 1
+        if self.stages_done[step] < self.cfg.stages:  # the step is complete on every stage
+            return
+        del self.stages_done[step]
+        m_per_step = self.plan.schedule.num_microbatches
+        last = self.workers[-1]
+        losses = [last.losses.pop(m) for m in range((step - 1) * m_per_step, step * m_per_step)]
+        record = {
+            "step": step,
+            "loss": sum(losses) / len(losses),
+            "lr": self.workers[0].lr_fn(step - 1),
+            "tokens": step * self.cfg.tokens_per_step,
+            "elapsed_s": self.elapsed_offset + time.perf_counter() - self.t0,
+            "grad_norm": [w.grad_norms.pop(step) for w in self.workers],
+        }
+        self.pending = record
+        if self.bar is not None:
+            tok_s = (
+                (step - self.start_step)
+                * self.cfg.tokens_per_step
+                / (time.perf_counter() - self.t0)
+            )
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+            self.bar.update(1)
+
+    def _drain_point(self, step: int, metrics: MetricsWriter) -> None:
+        record = self.pending
+        record["val_loss"] = evaluate(self.plan, self.workers, self.data)
+        self.result.records.append(record)
+        metrics.write(record)
+        every = self.cfg.checkpoint_every
+        if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
+            self._checkpoint(step)
+
+    def _checkpoint(self, step: int) -> None:
+        staging = staging_dir(self.run_dir, step)
+        for worker in self.workers:
+            save_part(staging, worker.stage, worker.state_dict())
+        finalize(
+            self.run_dir,
+            step,
+            self.cfg.stages,
+            self.cfg.fingerprint(),
+            {"elapsed_s": self.pending["elapsed_s"]},
+        )
+
+    # ----- the loop ------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        from tqdm import tqdm
+
+        self._write_config()
+        self.elapsed_offset = self._resumed_elapsed()  # truncates metrics.jsonl: open it after
+        metrics = MetricsWriter(self.run_dir)
+        self.bar = tqdm(
+            total=self.cfg.steps,
+            initial=self.start_step,
+            desc=self.cfg.schedule,
+            unit="step",
+            disable=not self.cfg.progress,
+            leave=False,
+        )
+        self.t0 = time.perf_counter()
+        step_done = self.start_step
+        try:
+            stop = self.cfg.stop_at or self.cfg.steps
+            for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
+                # run step by step so each step gets its metrics line; drains only at `point`
+                for step in range(step_done + 1, point + 1):
+                    self.emulator.run(step)
+                    if step < point:
+                        self.result.records.append(self.pending)
+                        metrics.write(self.pending)
+                self._drain_point(point, metrics)
+                step_done = point
+        finally:
+            self.bar.close()
+            metrics.close()
+        self._finish()
+        return self.result
+
+    def _resumed_elapsed(self) -> float:
+        if not self.start_step:
+            return 0.0
+        truncate_metrics(self.run_dir, self.start_step)
+        return float(read_manifest(self.run_dir).get("elapsed_s", 0.0))
+
+    def _write_config(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "config": self.cfg.to_json(),
+            "provenance": provenance(),
+            "resolved": {
+                "microbatches_per_step": self.plan.schedule.num_microbatches,
+                "tokens_per_step": self.cfg.tokens_per_step,
+                "sync_warmup_steps": self.cfg.sync_warmup_steps,
+                "global_clip": self.cfg.global_clip,
+                "layer_ranges": [[r.start, r.stop] for r in self.plan.layer_ranges],
+                "vocab_size": self.plan.model_cfg.vocab_size,
+                "num_params": self.plan.model_cfg.num_params(),
+                "drain_points": self.plan.drain_points,
+            },
+        }
+        if not self.cfg.resume:
+            (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
+
+    def _finish(self) -> None:
+        records = self.result.records
+        ledger = self.plan.ledger
+        (self.run_dir / "ledger.json").write_text(
+            json.dumps(
+                {
+                    "summary": ledger.summary(),
+                    "crossed_histogram": {str(k): v for k, v in ledger.crossed_histogram().items()},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        text = sample(self.plan, self.workers, self.data)
+        if text is not None:
+            (self.run_dir / "sample.txt").write_text(text + "\n")
+        summary = run_summary(self.cfg, records, self.workers, text)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        self.result.summary = summary
+
+
+def run_summary(
+    cfg: TrainConfig, records: list[dict[str, Any]], workers: list[StageWorker], text: str | None
+) -> dict[str, Any]:
+    """First and last loss, final validation loss, throughput over the steady window."""
+    warm = max(1, len(records) // 10)  # steady window: skip the first 10 % of the steps
+    steady = records[warm - 1 :]
+    tokens = steady[-1]["tokens"] - steady[0]["tokens"] if len(steady) > 1 else 0
+    seconds = steady[-1]["elapsed_s"] - steady[0]["elapsed_s"] if len(steady) > 1 else 0.0
+    return {
+        "schedule": cfg.schedule,
+        "optimizer": cfg.optimizer,
+        "correction": cfg.correction,
+        "stages": cfg.stages,
+        "steps": cfg.steps,
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),
+        "tokens": records[-1]["tokens"] if records else 0,
+        "elapsed_s": records[-1]["elapsed_s"] if records else 0.0,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "peak_inflight": [w.peak_saved for w in workers],
+        "peak_activation_bytes": [w.peak_activation_bytes for w in workers],
+        "peak_weight_versions": [w.versions.peak_live for w in workers],
+        "sample": text,
+    }

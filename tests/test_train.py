@@ -1,0 +1,160 @@
+"""`nobubble train` end to end on real text: run directory, resume, bad inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from nobubble.checkpoint import CheckpointError
+from nobubble.cli import main
+from nobubble.config import TrainConfig
+from nobubble.data import fetch_shakespeare, write_bin_shard
+from nobubble.metrics import read_metrics
+from nobubble.train import Trainer
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A 200 kB slice of the default corpus (real text; BPE trains on it in well under 1 s)."""
+    text = fetch_shakespeare().read_text()[:200_000]
+    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
+    path.write_text(text)
+    return path
+
+
+def small(corpus: Path, out: Path, **overrides) -> TrainConfig:
+    base = dict(
+        data=str(corpus),
+        vocab_size=512,
+        seq_len=32,
+        micro_batch_size=4,
+        steps=8,
+        eval_every=4,
+        eval_batches=2,
+        checkpoint_every=4,
+        stages=2,
+        microbatches=2,
+        lr=3e-3,
+        out=str(out),
+        progress=False,
+        sample_tokens=16,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def test_train_writes_the_run_directory_and_learns(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = Trainer(small(corpus, out, steps=12, lr=1e-2)).run()
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["schedule"] == "paci"
+    assert {"torch", "python", "nobubble", "git_revision"} <= set(config["provenance"])
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for r in records:
+        assert {"step", "loss", "lr", "tokens", "elapsed_s"} <= set(r)
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert json.loads((out / "ledger.json").read_text())["summary"][0]["max_crossed"] == 1
+    assert (out / "sample.txt").read_text().strip()
+    assert (out / "checkpoint" / "manifest.json").is_file()
+    assert result.summary["peak_weight_versions"] == [1, 1]
+
+
+def _without_time(records):
+    return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in records]
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "pipedream"])
+def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path, schedule):
+    kwargs = dict(schedule=schedule, optimizer="muon", sample_tokens=0)
+    if schedule == "2bw":
+        kwargs["correction"] = "ef"
+    Trainer(small(corpus, tmp_path / "full", **kwargs)).run()
+    Trainer(small(corpus, tmp_path / "cut", stop_at=4, **kwargs)).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "cut")] == [1, 2, 3, 4]
+    resumed = small(corpus, tmp_path / "cut", **kwargs)
+    Trainer(TrainConfig.from_mapping({"resume": str(tmp_path / "cut"), "out": None}, resumed)).run()
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert _without_time(cut) == _without_time(full)
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_corrupted_or_mismatched_checkpoint_is_refused_and_left_alone(corpus, tmp_path):
+    out = tmp_path / "run"
+    Trainer(small(corpus, out, stop_at=4, sample_tokens=0)).run()
+    part = out / "checkpoint" / "stage1.pt"
+    blob = bytearray(part.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    part.write_bytes(bytes(blob))
+    before = _tree_digest(out)
+    with pytest.raises(CheckpointError, match="corrupted"):
+        Trainer(
+            TrainConfig.from_mapping(
+                {"resume": str(out), "out": None}, small(corpus, out, sample_tokens=0)
+            )
+        )
+    assert _tree_digest(out) == before
+    with pytest.raises(CheckpointError, match=r"lr: checkpoint 0.003 vs now 0.001"):
+        Trainer(
+            TrainConfig.from_mapping(
+                {"resume": str(out), "out": None, "lr": 1e-3}, small(corpus, out, sample_tokens=0)
+            )
+        )
+    assert _tree_digest(out) == before
+
+
+def test_out_dir_holding_a_run_is_not_overwritten(corpus, tmp_path):
+    out = tmp_path / "run"
+    Trainer(small(corpus, out, steps=4, sample_tokens=0)).run()
+    with pytest.raises(ValueError, match="already holds a run"):
+        Trainer(small(corpus, out, steps=4, sample_tokens=0))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
+        (["--schedule", "zb"], "invalid choice: 'zb'"),
+        (["--stages", "9"], "more than the 4 layers"),
+        (["--data", "/no/such/corpus.txt"], "does not exist"),
+        (["--lr", "-1"], "lr=-1.0"),
+        (["--schedule", "2bw", "--stages", "4", "--microbatches", "2"], "2bw needs"),
+        (["--schedule", "1f1b", "--correction", "ef"], "synchronous"),
+        (["--schedule", "paci", "--clip-scope", "global"], "synchronize the stages"),
+    ],
+)
+def test_bad_train_flags_fail_before_any_work(capsys, tmp_path, flags, message):
+    out = tmp_path / "never"
+    try:
+        code = main(["train", "--out", str(out), *flags])
+    except SystemExit as exit_:  # argparse's own choice errors
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bin_shard_with_a_wrong_header_is_refused(capsys, tmp_path):
+    shard = tmp_path / "bad.bin"
+    write_bin_shard(shard, list(range(100)))
+    blob = bytearray(shard.read_bytes())
+    blob[0] ^= 0x01  # break the magic number
+    shard.write_bytes(bytes(blob))
+    code = main(
+        ["train", "--data", str(shard), "--tokenizer", "bin", "--out", str(tmp_path / "never")]
+    )
+    assert code == 2
+    assert "magic" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
