@@ -32,6 +32,7 @@ LAYERS = {
     "config": 3,
     "train": 3,
     "checkpoint": 3,
+    "assemble": 3,
     "metrics": 3,
     "experiments": 3,
     "bench": 3,

@@ -284,6 +284,48 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----- nobubble bench emulator -------------------------------------------------------------------
+def cmd_bench_emulator(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from nobubble.bench import EmulatorBench, bench_emulator
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = EmulatorBench(
+        model=args.model,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        rounds=args.rounds,
+        schedules=tuple(args.schedule.split(",")),
+    )
+    bar = tqdm(total=args.rounds * (1 + len(cfg.schedules)), disable=args.json, leave=False)
+
+    def progress(text: str) -> None:
+        bar.set_description(text)
+        bar.update(1)
+
+    result = bench_emulator(cfg, progress)
+    bar.close()
+    if args.json:
+        print(json.dumps({"config": vars(args) | {"func": None}, "results": result}))
+        return 0
+    print(
+        f"model {cfg.model}, P={cfg.stages}, M={cfg.microbatches}, B={cfg.micro_batch_size}, "
+        f"T={cfg.seq_len}, {cfg.rounds} alternating rounds x {cfg.steps - 1} timed steps, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    rows = [{"variant": k, **v} for k, v in result.items()]
+    print_table(
+        rows, ["variant", "median_step_s", "tokens_per_s", "overhead_vs_plain", "steps_timed"]
+    )
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schedules", help="list the schedules, one line each")
     p.add_argument("--json", action="store_true")
@@ -336,3 +378,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--steps", type=positive_int, default=100)
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_sim)
+
+    q = bench.add_parser("emulator", help="emulator time per step vs plain training")
+    q.add_argument("--schedule", default="1f1b,paci,2bw", help="comma list of schedules")
+    q.add_argument("--model", default="small")
+    q.add_argument("--stages", type=positive_int, default=2)
+    q.add_argument("--microbatches", type=positive_int, default=4)
+    q.add_argument("--micro-batch-size", type=positive_int, default=8)
+    q.add_argument("--seq-len", type=positive_int, default=128)
+    q.add_argument("--steps", type=positive_int, default=6, help="per round, first not timed")
+    q.add_argument("--rounds", type=positive_int, default=3)
+    q.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_emulator)

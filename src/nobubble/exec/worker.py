@@ -41,7 +41,7 @@ class Saved:
     weights: dict[str, torch.Tensor]  # the alias leaves the graph was built on
     inputs: torch.Tensor  # stage input: token ids on stage 0, a grad-requiring leaf elsewhere
     output: torch.Tensor | None  # None in recompute mode (the graph is rebuilt at backward)
-    activation_bytes: int
+    activation_bytes: int  # autograd's saved tensors (the stage input alone when recomputing)
 
 
 class StageWorker:
@@ -82,12 +82,31 @@ class StageWorker:
     def _run(self, version: int, inputs: torch.Tensor, m: int) -> torch.Tensor:
         weights = self.versions.get(version)
         targets = self.batch_fn(m)[1] if self.module.is_last else None
-        with self._autocast():
+        with self._autocast(), self._count_saved(weights):
             out = functional_call(self.module, weights, (inputs,), {"targets": targets})
         if self.module.is_last:
             self.losses[m] = float(out.detach())
             out = out / self.schedule.num_microbatches  # the batch loss is the micro-batch mean
         return out
+
+    def _count_saved(self, weights: dict[str, torch.Tensor]) -> Any:
+        """Measure the activation bytes autograd saves for backward (weights excluded).
+
+        Unique storages are counted once; the count lands in ``self._saved_bytes``.
+        """
+        weight_storages = {w.untyped_storage().data_ptr() for w in weights.values()}
+        seen: set[int] = set()
+        self._saved_bytes = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in weight_storages and ptr not in seen:
+                seen.add(ptr)
+                self._saved_bytes += storage.nbytes()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     def forward(self, m: int, received: torch.Tensor | None) -> torch.Tensor | None:
         """Run micro-batch m; return the activation to send on (None on the last stage)."""
@@ -97,14 +116,13 @@ class StageWorker:
         else:
             assert received is not None, f"stage {self.stage} got no activation for {m}"
             inputs = received.detach().requires_grad_(True)
-        if self.recompute:
+        if self.recompute:  # keep only the stage input; the graph is rebuilt at backward
             with torch.no_grad():
                 out = self._run(version, inputs, m)
-            saved_out = None
+            saved_out, nbytes = None, inputs.numel() * inputs.element_size()
         else:
             out = self._run(version, inputs, m)
-            saved_out = out
-        nbytes = inputs.numel() * inputs.element_size()
+            saved_out, nbytes = out, self._saved_bytes
         self.saved[m] = Saved(version, self.versions.get(version), inputs, saved_out, nbytes)
         self._track_memory()
         self.versions.consumed(version)
