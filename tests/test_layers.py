@@ -24,6 +24,7 @@ LAYERS = {
     "sim": 0,
     "viz": 0,
     "util": 0,
+    "errors": 0,
     "model": 1,
     "data": 1,
     "optim": 1,

@@ -56,6 +56,8 @@ class TrainConfig:
     threads: torch intra-op threads per process (0: torch's default; the multi-process runtime
         defaults to cores / stages, since OpenMP threads that outnumber cores spin and stall).
     stop_at: stop after the checkpoint of this step (a planned interruption; --resume continues).
+    dist_timeout: seconds a rank waits for a peer before it gives up (and the launcher's bound
+        on stopping the others after a failure). master_port: rendezvous port (0: a free one).
     """
 
     schedule: str = "paci"
@@ -94,6 +96,7 @@ class TrainConfig:
     progress: bool = True
     threads: int = 0
     stop_at: int = 0
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)

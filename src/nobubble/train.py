@@ -88,19 +88,23 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{stamp}-{cfg.schedule}-{cfg.optimizer}"
 
 
-def merged_model(plan: Plan, workers: list[StageWorker]) -> GPT:
-    """One GPT holding every stage's current master weights (names are split-independent)."""
+def merged_model(plan: Plan, state: dict[str, torch.Tensor]) -> GPT:
+    """One GPT from the stages' weights (parameter names do not depend on the split)."""
     model = GPT(plan.model_cfg)
-    state = {}
-    for w in workers:
-        state.update(w.module.state_dict())
     model.load_state_dict(state)
     return model.eval()
 
 
+def merged_state(workers: list[StageWorker]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for w in workers:
+        state.update(w.module.state_dict())
+    return state
+
+
 @torch.no_grad()
 def evaluate(plan: Plan, workers: list[StageWorker], data: TokenData) -> float:
-    model = merged_model(plan, workers)
+    model = merged_model(plan, merged_state(workers))
     batches = data.val_batches(plan.cfg.micro_batch_size, plan.cfg.eval_batches)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.cfg.dtype == "bf16")
     with autocast:
@@ -109,17 +113,18 @@ def evaluate(plan: Plan, workers: list[StageWorker], data: TokenData) -> float:
 
 
 @torch.no_grad()
-def sample(
+def sample_from_state(
     plan: Plan,
-    workers: list[StageWorker],
+    state: dict[str, torch.Tensor],
     data: TokenData,
     prompt: str = "ROMEO:",
     temperature: float = 0.8,
     top_k: int = 50,
 ) -> str | None:
+    """A short seeded sample from the trained model, for people to read."""
     if data.tokenizer is None or plan.cfg.sample_tokens == 0:
         return None
-    model = merged_model(plan, workers)
+    model = merged_model(plan, state)
     ids = data.tokenizer.encode(prompt)
     gen = torch.Generator().manual_seed(plan.cfg.seed)
     for _ in range(plan.cfg.sample_tokens):
@@ -293,16 +298,22 @@ class Trainer:
             )
             + "\n"
         )
-        text = sample(self.plan, self.workers, self.data)
+        text = sample_from_state(self.plan, merged_state(self.workers), self.data)
         if text is not None:
             (self.run_dir / "sample.txt").write_text(text + "\n")
-        summary = run_summary(self.cfg, records, self.workers, text)
+        peaks = [
+            (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live) for w in self.workers
+        ]
+        summary = run_summary(self.cfg, records, peaks, text)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.result.summary = summary
 
 
 def run_summary(
-    cfg: TrainConfig, records: list[dict[str, Any]], workers: list[StageWorker], text: str | None
+    cfg: TrainConfig,
+    records: list[dict[str, Any]],
+    peaks: list[tuple[int, int, int]],
+    text: str | None,
 ) -> dict[str, Any]:
     """First and last loss, final validation loss, throughput over the steady window."""
     warm = max(1, len(records) // 10)  # steady window: skip the first 10 % of the steps
@@ -321,8 +332,8 @@ def run_summary(
         "tokens": records[-1]["tokens"] if records else 0,
         "elapsed_s": records[-1]["elapsed_s"] if records else 0.0,
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
-        "peak_inflight": [w.peak_saved for w in workers],
-        "peak_activation_bytes": [w.peak_activation_bytes for w in workers],
-        "peak_weight_versions": [w.versions.peak_live for w in workers],
+        "peak_inflight": [p[0] for p in peaks],
+        "peak_activation_bytes": [p[1] for p in peaks],
+        "peak_weight_versions": [p[2] for p in peaks],
         "sample": text,
     }

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from nobubble import __version__
 from nobubble.cli import schedule_cmds, train_cmds
+from nobubble.errors import NobubbleError
 
 log = logging.getLogger("nobubble")
 
@@ -47,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"nobubble {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except NobubbleError as err:
+        print(f"nobubble {args.command}: failed: {err}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. `nobubble ... | head`: the reader left, not an error
         sys.stderr.close()
         return 0

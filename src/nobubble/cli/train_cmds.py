@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ HELP = {
     "out": "run directory (default runs/<time>-<schedule>-<optimizer>)",
     "threads": "torch threads per process (0: torch default)",
     "stop_at": "stop after the checkpoint of this step (resume later with --resume)",
+    "dist_timeout": "seconds to wait for a peer rank before failing",
+    "master_port": "rendezvous port of --runtime dist (0: pick a free one)",
 }
 
 
@@ -103,10 +106,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(outer: argparse.Namespace) -> int:
     args = build_train_parser().parse_args(outer.train_args)
     cfg = config_from_args(args)
-    if cfg.runtime == "dist":
-        from nobubble.dist.launch import run_dist  # layer 2, imported only when asked for
+    if cfg.runtime == "dist":  # layer 2, imported only when asked for
+        if "RANK" in os.environ:  # one rank, started by torchrun or by our launcher
+            from nobubble.dist.runtime import run_rank
 
-        result = run_dist(cfg)
+            rank_result = run_rank(cfg)
+            if rank_result is None or os.environ.get("NOBUBBLE_LAUNCHED"):
+                return 0  # only the last rank reports, or the launcher does
+            result = rank_result
+        else:
+            from nobubble.dist.launch import launch
+
+            result = launch(cfg, outer.train_args)
     else:
         from nobubble.train import Trainer
 
@@ -134,8 +145,12 @@ def cmd_train(outer: argparse.Namespace) -> int:
         "peak_activation_bytes",
     ):
         value = summary.get(key)
+        if key not in summary:
+            continue
         if isinstance(value, float):
             value = f"{value:.4g}"
+        elif isinstance(value, list) and value and isinstance(value[0], float):
+            value = "[" + ", ".join(f"{v:.3f}" for v in value) + "]"
         print(f"  {key:<22} {value}", file=out)
     if summary.get("sample"):
         print("sample:\n" + summary["sample"], file=out)

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from nobubble.data.atomic import atomic_write_bytes
+from nobubble.errors import NobubbleError
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _NUM_TEXTS = 42
 _PIP_TIMEOUT_S = 600
 
 
-class DataError(RuntimeError):
+class DataError(NobubbleError):
     """A data source could not be obtained (download failed, checksum mismatch, bad archive)."""
 
 

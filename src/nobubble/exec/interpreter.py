@@ -31,22 +31,36 @@ class Interpreter:
         self.worker, self.transport, self.num_stages = worker, transport, num_stages
         self.global_clip, self.record = global_clip, record
         self.clock = clock
+        # compute spans (aligned with the order) and communication spans (recv wait, send)
         self.spans: list[tuple[Action, float, float]] = []
-        self.handlers: dict[str, Callable[[Action], None]] = {
+        self.comm: list[tuple[str, Action, float, float]] = []
+        self.handlers: dict[str, Callable[[Action, torch.Tensor | None], torch.Tensor | None]] = {
             F: self._forward,
             B: self._backward,
             STEP: self._step,
         }
 
     def execute(self, action: Action) -> None:
-        if not self.record:
-            self.handlers[action.kind](action)
-            return
-        start = self.clock()
-        self.handlers[action.kind](action)
-        self.spans.append((action, start, self.clock()))
+        """Receive what the action consumes, run it, ship what it produces; time each part."""
+        t0 = self.clock()
+        received = self._receive(action)
+        t1 = self.clock()
+        output = self.handlers[action.kind](action, received)
+        t2 = self.clock()
+        self._ship(action, output)
+        if self.record:
+            t3 = self.clock()
+            self.spans.append((action, t1, t2))
+            if t1 > t0:
+                self.comm.append(("recv", action, t0, t1))
+            if t3 > t2:
+                self.comm.append(("send", action, t2, t3))
 
     def _receive(self, action: Action) -> torch.Tensor | None:
+        if action.kind == STEP:  # the global gradient norm is a sum over stages
+            if not self.global_clip:
+                return None
+            return self.transport.reduce(action.number, action.stage)
         source = remote_dependency(action, self.num_stages)
         return None if source is None else self.transport.recv(source, action.stage)
 
@@ -56,16 +70,16 @@ class Interpreter:
             assert tensor is not None, f"{action} produced nothing for {consumer}"
             self.transport.send(action, tensor, consumer.stage)
 
-    def _forward(self, action: Action) -> None:
-        self._ship(action, self.worker.forward(action.number, self._receive(action)))
+    def _forward(self, action: Action, received: torch.Tensor | None) -> torch.Tensor | None:
+        return self.worker.forward(action.number, received)
 
-    def _backward(self, action: Action) -> None:
-        grad_in = self.worker.backward(action.number, self._receive(action))
-        self._ship(action, grad_in)
+    def _backward(self, action: Action, received: torch.Tensor | None) -> torch.Tensor | None:
+        grad_in = self.worker.backward(action.number, received)
         if self.global_clip and self.worker.batch_complete:
             step = action.number // self.worker.schedule.num_microbatches + 1
             self.transport.contribute(step, action.stage, self.worker.grad_sq_norm())
+        return grad_in
 
-    def _step(self, action: Action) -> None:
-        total = self.transport.reduce(action.number, action.stage) if self.global_clip else None
-        self.worker.step(action.number, total)
+    def _step(self, action: Action, total_sq_norm: torch.Tensor | None) -> None:
+        self.worker.step(action.number, total_sq_norm)
+        return None

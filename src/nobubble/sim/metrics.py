@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nobubble.ir import B, F, Schedule
+from nobubble.ir import Action, B, F, Schedule
 from nobubble.ledger import Ledger
 
 
@@ -42,16 +42,44 @@ class Metrics:
 
 
 def steady_window(
-    schedule: Schedule, starts: Sequence[Sequence[float]], ends: Sequence[Sequence[float]]
+    rank0: Sequence[Action], starts: Sequence[float], ends: Sequence[float], run_end: float
 ) -> tuple[float, float]:
     """[first backward start, last forward end] on stage 0; the whole run if that is empty."""
-    order = schedule.ranks[0]
-    first_b = next((starts[0][i] for i, a in enumerate(order) if a.kind == B), 0.0)
-    last_f = next((ends[0][i] for i in range(len(order) - 1, -1, -1) if order[i].kind == F), 0.0)
+    first_b = next((starts[i] for i, a in enumerate(rank0) if a.kind == B), 0.0)
+    last_f = next((ends[i] for i in range(len(rank0) - 1, -1, -1) if rank0[i].kind == F), 0.0)
     if last_f <= first_b:
-        makespan = max((e[-1] for e in ends if e), default=0.0)
-        return (0.0, makespan)
+        return (min(starts, default=0.0), run_end)
     return (first_b, last_f)
+
+
+def busy_in(starts: Sequence[float], ends: Sequence[float], lo: float, hi: float) -> float:
+    """Busy time of one rank inside the window [lo, hi]."""
+    s, e = np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
+    return float(np.clip(np.minimum(e, hi) - np.maximum(s, lo), 0.0, None).sum())
+
+
+def measured_utilization(
+    spans: Sequence[Sequence[tuple[Action, float, float]]],
+) -> dict[str, Any]:
+    """Utilization and bubble share of measured compute spans (one list per rank).
+
+    Same definitions as the simulator's, over whatever part of the run the spans cover.
+    """
+    starts = [[s for _, s, _ in lane] for lane in spans]
+    ends = [[e for _, _, e in lane] for lane in spans]
+    t0 = min(lane[0] for lane in starts if lane)
+    t1 = max(lane[-1] for lane in ends if lane)
+    lo, hi = steady_window([a for a, _, _ in spans[0]], starts[0], ends[0], t1)
+    util = [busy_in(s, e, t0, t1) / (t1 - t0) for s, e in zip(starts, ends, strict=True)]
+    steady = [busy_in(s, e, lo, hi) / (hi - lo) for s, e in zip(starts, ends, strict=True)]
+    return {
+        "wall_s": t1 - t0,
+        "utilization": util,
+        "bubble_share": 1 - sum(util) / len(util),
+        "steady_window_s": [lo - t0, hi - t0],
+        "steady_utilization": steady,
+        "steady_bubble_share": 1 - sum(steady) / len(steady),
+    }
 
 
 def compute_metrics(
@@ -63,12 +91,10 @@ def compute_metrics(
     """Metrics from per-rank start/end times aligned with the orders (simulated or measured)."""
     t0 = min((s[0] for s in starts if s), default=0.0)
     makespan = max((e[-1] for e in ends if e), default=0.0) - t0
-    lo, hi = steady_window(schedule, starts, ends)
-    busy, steady_busy = [], []
-    for rank in range(schedule.num_ranks):
-        s, e = np.asarray(starts[rank], dtype=float), np.asarray(ends[rank], dtype=float)
-        busy.append(float((e - s).sum()))
-        steady_busy.append(float(np.clip(np.minimum(e, hi) - np.maximum(s, lo), 0.0, None).sum()))
+    end = makespan + t0
+    lo, hi = steady_window(schedule.ranks[0], starts[0], ends[0], end)
+    busy = [busy_in(starts[r], ends[r], t0, end) for r in range(schedule.num_ranks)]
+    steady_busy = [busy_in(starts[r], ends[r], lo, hi) for r in range(schedule.num_ranks)]
     utilization = [b / makespan if makespan > 0 else 0.0 for b in busy]
     width = hi - lo
     steady_util = [b / width if width > 0 else 0.0 for b in steady_busy]

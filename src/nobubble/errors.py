@@ -1,0 +1,5 @@
+"""Failures that are the world's fault, not the code's: reported in one line, no traceback."""
+
+
+class NobubbleError(RuntimeError):
+    """A run could not be done as asked (data unreachable, a rank died, ...)."""
