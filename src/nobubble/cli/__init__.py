@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank_prefix() -> str:
+    rank = os.environ.get("RANK")  # set by torchrun and by `--runtime dist`'s launcher
+    return f"[rank {rank}] " if rank is not None else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -40,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=_rank_prefix() + "%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:
