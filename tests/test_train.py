@@ -158,3 +158,17 @@ def test_bin_shard_with_a_wrong_header_is_refused(capsys, tmp_path):
     assert code == 2
     assert "magic" in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_sync_warmup_is_synchronous_then_delayed(corpus, tmp_path):
+    # clip 0: clipping is global for 1f1b but per stage for 2bw, which would differ by itself
+    warm = small(corpus, tmp_path / "warm", schedule="2bw", correction="sync-warmup",
+                 sync_warmup=3, sample_tokens=0, clip=0.0)
+    sync = small(corpus, tmp_path / "sync", schedule="1f1b", sample_tokens=0, clip=0.0)
+    Trainer(warm).run()
+    Trainer(sync).run()
+    a, b = read_metrics(tmp_path / "warm"), read_metrics(tmp_path / "sync")
+    assert [r["loss"] for r in a[:3]] == [r["loss"] for r in b[:3]]  # batches 0-2 synchronous
+    assert a[3]["loss"] != b[3]["loss"]  # batch 3 reads version 2: the one-step delay begins
+    ledger = json.loads((tmp_path / "warm" / "ledger.json").read_text())
+    assert ledger["summary"][0]["max_delay"] == 1

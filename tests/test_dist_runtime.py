@@ -1,0 +1,299 @@
+"""The multi-process runtime as users run it: ``nobubble train --runtime dist`` in real processes.
+
+The emulator is the reference: one process, same flags. A dist run must reproduce its numbers
+bit for bit (same torch thread count), write a measured timeline, stop every rank within
+``--dist-timeout`` when one dies, resume from the last checkpoint onto the uninterrupted run's
+numbers, and refuse bad inputs in seconds with one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _dist_helpers import (
+    MEASURED,
+    assert_same_state,
+    clean_env,
+    free_port,
+    kill_all,
+    launched_rank,
+    load_parts,
+    numbers,
+    processes_of,
+    run_train,
+    small_flags,
+    train_command,
+)
+
+from nobubble.cli import main
+from nobubble.data import fetch_shakespeare
+from nobubble.metrics import read_metrics
+
+STEPS, MICROBATCHES = 6, 2  # the defaults of small_flags
+DIST_TIMEOUT = 20.0
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A 200 kB slice of the default corpus (real text; BPE trains on it in well under 1 s)."""
+    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
+    path.write_text(fetch_shakespeare().read_text()[:200_000])
+    return path
+
+
+def emulate(flags: list[str], out: Path) -> Path:
+    """The reference: the same flags in the single-process emulator."""
+    assert main(["train", *flags, "--runtime", "emulate", "--out", str(out)]) == 0
+    return out
+
+
+def launch(flags: list[str], out: Path) -> Path:
+    done = run_train(*flags, "--runtime", "dist", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def dist_run(corpus, tmp_path_factory):
+    """``dist_run(schedule, stages)``: a finished small dist run, started once per module."""
+    runs: dict[tuple[str, int], Path] = {}
+
+    def get(schedule: str, stages: int) -> Path:
+        if (schedule, stages) not in runs:
+            out = tmp_path_factory.mktemp(f"dist-{schedule}-{stages}") / "run"
+            runs[schedule, stages] = launch(flags_for(corpus, schedule, stages), out)
+        return runs[schedule, stages]
+
+    return get
+
+
+def flags_for(corpus: Path, schedule: str, stages: int) -> list[str]:
+    # as many micro-batches as stages at P > 2, so every stage is busy in the steady state
+    microbatches = MICROBATCHES if stages == 2 else stages
+    return small_flags(corpus, schedule, stages, microbatches=microbatches, dist_timeout=30)
+
+
+# ----- 1. the dist runtime computes what the emulator computes -----------------------------------
+def assert_equivalent(dist_dir: Path, emu_dir: Path, stages: int) -> None:
+    dist_records, emu_records = read_metrics(dist_dir), read_metrics(emu_dir)
+    assert [r["step"] for r in dist_records] == list(range(1, STEPS + 1))
+    assert numbers(dist_records) == numbers(emu_records)  # floats from JSON: bit for bit
+    for d, e in zip(dist_records, emu_records, strict=True):
+        assert set(d) - set(e) <= set(MEASURED), "the dist runtime adds only measured keys"
+    for stage, (d, e) in enumerate(zip(load_parts(dist_dir, stages), load_parts(emu_dir, stages))):
+        assert_same_state(d["module"], e["module"], f"stage{stage}.module")
+        assert_same_state(d, e, f"stage{stage}")  # optimizer, correction, weight versions too
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "2bw", "paci"])
+def test_dist_matches_the_emulator_bitwise(corpus, tmp_path, dist_run, schedule):
+    dist_dir = dist_run(schedule, 2)
+    emu_dir = emulate(flags_for(corpus, schedule, 2), tmp_path / "emulated")
+    assert_equivalent(dist_dir, emu_dir, stages=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["paci", "1f1b"])
+def test_dist_matches_the_emulator_bitwise_on_four_stages(corpus, tmp_path, dist_run, schedule):
+    dist_dir = dist_run(schedule, 4)
+    emu_dir = emulate(flags_for(corpus, schedule, 4), tmp_path / "emulated")
+    assert_equivalent(dist_dir, emu_dir, stages=4)
+
+
+# ----- 2. the run directory of a dist run --------------------------------------------------------
+def x_events(trace: dict, pid: int) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid]
+
+
+def test_dist_run_directory_holds_a_measured_timeline(dist_run):
+    run, stages = dist_run("1f1b", 2), 2
+    trace = json.loads((run / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"
+             and e["name"] == "process_name"}
+    assert names == {0: "compute", 1: "communication"}
+    compute = x_events(trace, 0)
+    assert {e["tid"] for e in compute} == set(range(stages))
+    for tid in range(stages):
+        lane = sorted((e for e in compute if e["tid"] == tid), key=lambda e: e["ts"])
+        assert Counter(e["cat"] for e in lane) == {
+            "F": STEPS * MICROBATCHES, "B": STEPS * MICROBATCHES, "STEP": STEPS}
+        assert all(e["args"]["stage"] == tid and e["dur"] >= 0 for e in lane)
+        for a, b in zip(lane, lane[1:]):  # one process computes one action at a time
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (a["name"], b["name"])
+    comm = x_events(trace, 1)
+    assert {e["tid"] for e in comm} == set(range(stages))
+    for tid in range(stages):  # 1f1b clips globally: every stage all-reduces once per step
+        assert Counter(e["cat"] for e in comm if e["tid"] == tid)["ALLREDUCE"] >= STEPS
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["runtime"] == "dist" and summary["backend"] == "gloo"
+    util = summary["utilization"]
+    assert len(util) == stages and all(0 < u <= 1 for u in util)
+    # utilization recomputed from the trace: busy time per stage over the whole span
+    t0 = min(e["ts"] for e in compute)
+    t1 = max(e["ts"] + e["dur"] for e in compute)
+    busy = [sum(e["dur"] for e in compute if e["tid"] == tid) for tid in range(stages)]
+    assert util == pytest.approx([b / (t1 - t0) for b in busy], rel=1e-6)
+    assert summary["bubble_share"] == pytest.approx(1 - sum(util) / stages)
+    steady = summary["steady_utilization"]
+    assert len(steady) == stages and all(0 < u <= 1 for u in steady)
+    assert summary["tokens_per_s"] > 0
+
+    drain_points = json.loads((run / "config.json").read_text())["resolved"]["drain_points"]
+    assert drain_points == [3, 6]
+    for record in read_metrics(run):
+        drained = record["step"] in drain_points
+        assert ("val_loss" in record) == drained
+        assert ("utilization" in record) == drained == ("bubble_share" in record)
+        if drained:
+            assert len(record["utilization"]) == stages
+            assert all(0 < u <= 1 for u in record["utilization"])
+            assert 0 <= record["bubble_share"] < 1
+    png = (run / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    assert json.loads((run / "ledger.json").read_text())["summary"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Interpreter.execute records a recv/send span whenever the clock advanced, so the "
+    "trace shows communication that never happened (stage 0 RECV_F, ALLREDUCE under paci)",
+)
+def test_dist_trace_shows_only_communication_that_happens(dist_run):
+    run, stages = dist_run("paci", 2), 2
+    comm = x_events(json.loads((run / "trace.json").read_text()), 1)
+    # paci clips per stage (no all-reduce); stage 0 only sends activations and receives
+    # gradients, the last stage the reverse
+    allowed = {0: {"SEND_F", "RECV_B"}, stages - 1: {"RECV_F", "SEND_B"}}
+    for tid, kinds in allowed.items():
+        assert {e["cat"] for e in comm if e["tid"] == tid} <= kinds
+
+
+# ----- 3. faults ----------------------------------------------------------------------------------
+def kill_rank_after_first_checkpoint(launcher: subprocess.Popen, out: Path, rank: int) -> None:
+    """SIGKILL launched rank ``rank`` of ``out`` as soon as a complete checkpoint exists."""
+    manifest = out / "checkpoint" / "manifest.json"
+    victim, deadline = None, time.monotonic() + 120
+    while launcher.poll() is None and time.monotonic() < deadline:
+        victim = victim or launched_rank(str(out), rank)
+        if victim is not None and manifest.exists():
+            os.kill(victim, signal.SIGKILL)
+            return
+        time.sleep(0.005)
+    pytest.fail(f"no checkpoint with rank {rank} alive (launcher status {launcher.poll()})")
+
+
+@pytest.mark.slow
+def test_killed_rank_stops_the_run_and_resume_reproduces_it(corpus, tmp_path):
+    steps = 100
+    flags = small_flags(corpus, "paci", 2, steps=steps, eval_every=5, checkpoint_every=5,
+                        dist_timeout=DIST_TIMEOUT)
+    out = tmp_path / "run"
+    log = (tmp_path / "launcher.err").open("w+")
+    launcher = subprocess.Popen(train_command(*flags, "--runtime", "dist", "--out", str(out)),
+                                env=clean_env(), stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        kill_rank_after_first_checkpoint(launcher, out, rank=1)
+        killed = time.monotonic()
+        code = launcher.wait(timeout=DIST_TIMEOUT + 30)
+        seconds = time.monotonic() - killed
+    finally:
+        kill_all([launcher.pid, *processes_of(str(out))] if launcher.poll() is None else [])
+    print(f"\nlauncher exited {seconds:.2f} s after rank 1 was killed (--dist-timeout "
+          f"{DIST_TIMEOUT:g})")
+    log.seek(0)
+    stderr = log.read()
+    assert code == 1, stderr[-3000:]
+    assert seconds < DIST_TIMEOUT + 10
+    assert processes_of(str(out)) == [], "a rank outlived its launcher"
+    assert "rank 1 was killed by signal 9" in stderr
+    assert f"--resume {out}" in stderr
+    assert not (out / "summary.json").exists(), "the run finished before the kill"
+    cut = json.loads((out / "checkpoint" / "manifest.json").read_text())["step"]
+    assert 5 <= cut < steps and cut % 5 == 0
+
+    resumed = run_train("--runtime", "dist", "--resume", str(out), "--steps", str(steps),
+                        "--threads", "1", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    print(f"resumed from the checkpoint of step {cut}")
+    reference = emulate(flags, tmp_path / "uninterrupted")
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert numbers(records) == numbers(read_metrics(reference))
+    for d, e in zip(load_parts(out, 2), load_parts(reference, 2), strict=True):
+        assert_same_state(d, e)
+
+
+def test_ranks_with_different_configs_refuse_to_train(corpus, tmp_path):
+    """No fault flag exists; two hand-started ranks disagreeing on --lr are the failing rank."""
+    port, out = free_port(), tmp_path / "run"
+    procs, logs = [], []
+    start = time.monotonic()
+    for rank, lr in ((0, "0.003"), (1, "0.001")):
+        env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        flags = small_flags(corpus, "paci", 2, lr=lr, dist_timeout=DIST_TIMEOUT)
+        logs.append((tmp_path / f"rank{rank}.err").open("w+"))
+        procs.append(subprocess.Popen(train_command(*flags, "--runtime", "dist", "--out", str(out)),
+                                      env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
+    try:
+        codes = [p.wait(timeout=DIST_TIMEOUT + 30) for p in procs]
+        seconds = time.monotonic() - start
+    finally:
+        kill_all([p.pid for p in procs if p.poll() is None])
+    print(f"\nboth ranks exited {seconds:.2f} s after start (config hash mismatch)")
+    for rank, (code, log) in enumerate(zip(codes, logs, strict=True)):
+        log.seek(0)
+        stderr = log.read()
+        assert code == 1, stderr[-3000:]
+        assert f"rank {rank} (stage {rank}) failed during setup" in stderr
+        assert "ranks [1] run a different configuration than rank 0" in stderr
+        assert "config hash mismatch" in stderr
+    assert seconds < DIST_TIMEOUT, "the mismatch must be found at once, not by a timeout"
+    assert not (out / "metrics.jsonl").exists()
+
+
+# ----- 4. bad inputs fail fast --------------------------------------------------------------------
+@pytest.fixture
+def busy_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def test_world_size_that_differs_from_stages_is_refused(corpus, tmp_path):
+    env = clean_env(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port()))
+    done = run_train(*small_flags(corpus, "paci", 2), "--runtime", "dist",
+                     "--out", str(tmp_path / "never"), env=env, timeout=60)
+    assert_refused(done, "world size 3 does not match --stages 2", tmp_path / "never")
+
+
+def test_master_port_in_use_is_refused(corpus, tmp_path, busy_port):
+    done = run_train(*small_flags(corpus, "paci", 2), "--runtime", "dist", "--master-port",
+                     str(busy_port), "--out", str(tmp_path / "never"), timeout=60)
+    assert_refused(done, f"--master-port {busy_port} is in use", tmp_path / "never")
+
+
+def test_more_stages_than_layers_is_refused(corpus, tmp_path):
+    done = run_train(*small_flags(corpus, "paci", 9), "--runtime", "dist",
+                     "--out", str(tmp_path / "never"), timeout=60)
+    assert_refused(done, "--stages 9 is more than the 4 layers of model 'tiny'", tmp_path / "never")
+
+
+def assert_refused(done, message: str, out: Path) -> None:
+    print(f"\nrefused in {done.seconds:.2f} s: {message}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.seconds < 30  # an interpreter start and an import of torch, nothing more
+    assert not out.exists()
