@@ -36,6 +36,7 @@ LAYERS = {
     "assemble": 3,
     "metrics": 3,
     "experiments": 3,
+    "bench_runtime": 3,
     "bench": 3,
     "cli": 3,
 }

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from nobubble import __version__
-from nobubble.cli import schedule_cmds, train_cmds
+from nobubble.cli import experiment_cmds, schedule_cmds, train_cmds
 from nobubble.errors import NobubbleError
 
 log = logging.getLogger("nobubble")
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     schedule_cmds.register(sub)
     train_cmds.register(sub)
+    experiment_cmds.register(sub)
     return parser
 
 

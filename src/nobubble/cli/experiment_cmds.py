@@ -1,0 +1,50 @@
+"""``nobubble experiment NAME``: run (or resume) one experiment grid and summarize it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EXPERIMENT_NAMES = ("delay-vs-optimizer", "error-feedback", "depth", "paci", "report")
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from nobubble.experiments import run_experiment
+
+    summary = run_experiment(
+        args.name, args.quick, args.seeds, args.out, args.jobs, progress=not args.json
+    )
+    if args.json:
+        print(json.dumps(summary, default=str))
+        return 0
+    if args.name == "report":
+        print(f"wrote {summary['report']}")
+        for name, verdict in summary["verdicts"].items():
+            print(f"  {name}: {verdict}")
+        return 0
+    from pathlib import Path
+
+    root = (
+        Path(args.out)
+        if args.out
+        else Path("runs") / ("experiments-quick" if args.quick else "experiments")
+    )
+    print((root / args.name / "table.md").read_text())
+    print(f"figures and summary.json in {root / args.name}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("experiment", help="reproduce the papers' claims at small scale")
+    p.add_argument("name", choices=EXPERIMENT_NAMES)
+    p.add_argument("--quick", action="store_true", help="a few-minute smoke version")
+    p.add_argument("--seeds", type=int, default=2, help="seeds per configuration")
+    p.add_argument("--out", default=None, help="root folder (default runs/experiments[-quick])")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--report-to",
+        default="docs/results.md",
+        help="where `report` writes the page (figures go to img/results beside it)",
+    )
+    p.set_defaults(func=cmd_experiment)

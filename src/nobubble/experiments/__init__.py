@@ -1,0 +1,100 @@
+"""``nobubble experiment NAME``: the two papers' claims at small scale, resumable grids."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from nobubble.experiments import analysis, grids, paci_analysis
+from nobubble.experiments.runner import RunOutcome, run_grid
+
+log = logging.getLogger(__name__)
+
+EXPERIMENTS = ("delay-vs-optimizer", "error-feedback", "depth", "paci", "report")
+GRIDS = {
+    "delay-vs-optimizer": grids.delay_vs_optimizer,
+    "error-feedback": grids.error_feedback,
+    "depth": grids.depth,
+    "paci": grids.paci,
+}
+
+
+def default_root(quick: bool) -> Path:
+    return Path("runs") / ("experiments-quick" if quick else "experiments")
+
+
+def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> dict[str, float]:
+    """Best synchronous lr per optimizer (final validation loss), shared by all experiments."""
+    out = root / "lr-sweep"
+    outcomes = run_grid(grids.lr_sweep(profile), profile.base, out, jobs, progress, "lr sweep")
+    best: dict[str, float] = {}
+    table = {}
+    for opt in profile.optimizers:
+        runs = analysis.select(outcomes, optimizer=opt)
+        scores = {o.spec.labels["lr"]: analysis.final_val(o) for o in runs}
+        best[opt] = min(scores, key=lambda lr: scores[lr])
+        table[opt] = {str(k): v for k, v in sorted(scores.items())}
+    (out / "lr.json").write_text(json.dumps({"best": best, "val_loss": table}, indent=1) + "\n")
+    return best
+
+
+def run_experiment(
+    name: str, quick: bool, seeds: int, out: str | None, jobs: int, progress: bool = True
+) -> dict[str, Any]:
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    root = Path(out) if out else default_root(quick)
+    if name == "report":
+        from nobubble.experiments.report import write_report
+
+        return write_report(root, Path(report_to))
+    profile = grids.QUICK if quick else grids.FULL
+    lrs = tuned_lrs(profile, root, jobs, progress)
+    exp_dir = root / name
+    outcomes = run_grid(
+        GRIDS[name](profile, lrs, seeds), profile.base, exp_dir, jobs, progress, name
+    )
+    summary = summarize(name, outcomes, exp_dir, profile, lrs)
+    summary.update(
+        experiment=name,
+        profile=profile.name,
+        seeds=seeds,
+        lrs=lrs,
+        base=profile.base,
+        runs=len(outcomes),
+        params=_params(outcomes),
+    )
+    table = paci_analysis.paci_table(summary) if name == "paci" else analysis.TABLES[name](summary)
+    analysis.write_summary(exp_dir, name, summary, table)
+    return summary
+
+
+def summarize(
+    name: str,
+    outcomes: dict[str, RunOutcome],
+    out: Path,
+    profile: grids.Profile,
+    lrs: dict[str, float],
+) -> dict[str, Any]:
+    if name == "paci":
+        return paci_analysis.analyze_paci(outcomes, out, profile.optimizers, lrs, profile.base)
+    return analysis.ANALYSES[name](outcomes, out, profile.optimizers, lrs)
+
+
+def _params(outcomes: dict[str, RunOutcome]) -> dict[str, Any]:
+    """Model sizes and token budgets actually used (read from the runs' resolved configs)."""
+    seen: dict[str, Any] = {}
+    for o in outcomes.values():
+        cfg = json.loads((o.run_dir / "config.json").read_text())
+        model = cfg["config"]["model"]
+        resolved = cfg.get("resolved", {})
+        seen.setdefault(model, {"num_params": resolved.get("num_params"), "tokens_per_run": set()})
+        seen[model]["tokens_per_run"].add(o.summary["tokens"])
+    return {
+        k: {"num_params": v["num_params"], "tokens_per_run": sorted(v["tokens_per_run"])}
+        for k, v in seen.items()
+    }

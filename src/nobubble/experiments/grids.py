@@ -1,0 +1,266 @@
+"""The experiment grids: which runs each experiment needs, as plain specs.
+
+Scale (see docs/results.md for the reasoning): the `tiny` model (0.72M parameters at vocab
+4096) or `mini` (2.5M, 8 layers) on the default corpus, context 128, micro-batches of 8
+sequences. Learning rates come from a sweep on the synchronous schedule per optimizer (the
+papers' protocol) and are reused unchanged by every asynchronous run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nobubble.experiments.runner import RunSpec
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of one experiment run; ``quick`` is the CI smoke-test version."""
+
+    name: str
+    base: dict[str, Any]
+    optimizers: tuple[str, ...]
+    lr_grid: dict[str, tuple[float, ...]]
+    depths: tuple[int, ...] = (2, 4, 8)
+    accums: tuple[int, ...] = (2, 4, 8)
+    lambdas: tuple[float, ...] = (0.5, 1.5, 2.0)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+COMMON = {
+    "data": "shakespeare",
+    "tokenizer": "bpe",
+    "sample_tokens": 0,
+    "threads": 1,
+    "runtime": "emulate",
+    "checkpoint_every": 0,
+}
+
+FULL = Profile(
+    name="full",
+    base={
+        **COMMON,
+        "model": "tiny",
+        "vocab_size": 4096,
+        "seq_len": 128,
+        "micro_batch_size": 8,
+        "microbatches": 4,
+        "steps": 250,
+        "eval_every": 25,
+        "eval_batches": 16,
+    },
+    optimizers=("adamw", "muon", "nadam", "lion"),
+    lr_grid={
+        "adamw": (1e-3, 3e-3, 1e-2),
+        "muon": (3e-3, 1e-2, 3e-2),
+        "nadam": (1e-3, 3e-3, 1e-2),
+        "lion": (3e-4, 1e-3, 3e-3),
+    },
+    extra={"depth_model": "mini", "depth_micro_batch": 2, "dist_model": "small"},
+)
+
+QUICK = Profile(
+    name="quick",
+    base={
+        **COMMON,
+        "model": "tiny",
+        "vocab_size": 512,
+        "seq_len": 32,
+        "micro_batch_size": 4,
+        "microbatches": 4,
+        "steps": 8,
+        "eval_every": 4,
+        "eval_batches": 2,
+    },
+    optimizers=("adamw", "muon"),
+    lr_grid={"adamw": (3e-3,), "muon": (1e-2,), "nadam": (3e-3,), "lion": (1e-3,)},
+    depths=(2, 4),
+    accums=(2, 4),
+    lambdas=(2.0,),
+)
+
+
+def _key(**parts: Any) -> str:
+    return "-".join(f"{k}{v}" if k not in ("", "name") else str(v) for k, v in parts.items())
+
+
+def lr_sweep(profile: Profile) -> list[RunSpec]:
+    """Synchronous runs (P=1: plain training) over each optimizer's lr grid, seed 0."""
+    return [
+        RunSpec(
+            f"sweep-{opt}-lr{lr:g}",
+            {"optimizer": opt, "lr": lr, "schedule": "1f1b", "stages": 1},
+            {"optimizer": opt, "lr": lr},
+        )
+        for opt in profile.optimizers
+        for lr in profile.lr_grid[opt]
+    ]
+
+
+def delay_vs_optimizer(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
+    """Paper A, table 1 in miniature: sync vs 2bw (one-step delay) per optimizer.
+
+    P=1: sync and 2bw give the same numbers for every P (tested bitwise), and at P=1 the
+    gradient clipping is the same global clipping for both, so only the delay differs.
+    """
+    specs = []
+    for opt in profile.optimizers:
+        for schedule in ("1f1b", "2bw"):
+            for seed in range(seeds):
+                specs.append(
+                    RunSpec(
+                        f"{schedule}-{opt}-s{seed}",
+                        {
+                            "optimizer": opt,
+                            "lr": lrs[opt],
+                            "schedule": schedule,
+                            "stages": 1,
+                            "seed": seed,
+                        },
+                        {"optimizer": opt, "schedule": schedule, "seed": seed},
+                    )
+                )
+    return specs
+
+
+def error_feedback(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
+    """Paper A, table 2: 2bw + EF (lam 1) and 2bw + sync warm-up; a lam sweep (adamw, muon)."""
+    specs = delay_vs_optimizer(profile, lrs, seeds)
+    for opt in profile.optimizers:
+        for correction in ("ef", "sync-warmup"):
+            for seed in range(seeds):
+                specs.append(
+                    RunSpec(
+                        f"2bw-{correction}-{opt}-s{seed}",
+                        {
+                            "optimizer": opt,
+                            "lr": lrs[opt],
+                            "schedule": "2bw",
+                            "stages": 1,
+                            "seed": seed,
+                            "correction": correction,
+                        },
+                        {
+                            "optimizer": opt,
+                            "schedule": "2bw",
+                            "correction": correction,
+                            "seed": seed,
+                            "lam": 1.0,
+                        },
+                    )
+                )
+    for opt in [o for o in ("adamw", "muon") if o in profile.optimizers]:
+        for lam in profile.lambdas:
+            specs.append(
+                RunSpec(
+                    f"2bw-ef-lam{lam:g}-{opt}-s0",
+                    {
+                        "optimizer": opt,
+                        "lr": lrs[opt],
+                        "schedule": "2bw",
+                        "stages": 1,
+                        "seed": 0,
+                        "correction": "ef",
+                        "ef_lambda": lam,
+                    },
+                    {
+                        "optimizer": opt,
+                        "schedule": "2bw",
+                        "correction": "ef",
+                        "seed": 0,
+                        "lam": lam,
+                    },
+                )
+            )
+    return specs
+
+
+def depth(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
+    """Paper A, section 6: original PipeDream (a=1) at growing P vs 2bw, with and without EF.
+
+    One update batch everywhere (m micro-batches of b sequences, m = the largest P since 2bw
+    needs M >= P-1): pipedream steps after every micro-batch of m*b sequences, the others after
+    m micro-batches of b. Clipping is per stage for every schedule here (asynchronous schedules
+    cannot clip globally), so each P has its own synchronous baseline.
+    """
+    b, m = profile.extra.get("depth_micro_batch", 2), max(profile.depths)
+    per = {"micro_batch_size": b, "microbatches": m}
+    pd = {"micro_batch_size": b * m, "microbatches": 1, "accum": 1}
+    specs = []
+    for opt in [o for o in ("adamw", "muon") if o in profile.optimizers]:
+        model = profile.extra.get("depth_model", profile.base["model"])
+        common = {"optimizer": opt, "lr": lrs[opt], "model": model, "clip_scope": "stage"}
+        for p in profile.depths:
+            specs.append(
+                RunSpec(
+                    f"depth-1f1b-{opt}-P{p}",
+                    {**common, **per, "schedule": "1f1b", "stages": p},
+                    {"optimizer": opt, "schedule": "1f1b", "stages": p},
+                )
+            )
+            for corr in ("none", "ef"):
+                specs.append(
+                    RunSpec(
+                        f"depth-pipedream-{corr}-{opt}-P{p}",
+                        {**common, **pd, "schedule": "pipedream", "stages": p, "correction": corr},
+                        {
+                            "optimizer": opt,
+                            "schedule": "pipedream",
+                            "stages": p,
+                            "correction": corr,
+                        },
+                    )
+                )
+                specs.append(
+                    RunSpec(
+                        f"depth-2bw-{corr}-{opt}-P{p}",
+                        {**common, **per, "schedule": "2bw", "stages": p, "correction": corr},
+                        {"optimizer": opt, "schedule": "2bw", "stages": p, "correction": corr},
+                    )
+                )
+    return specs
+
+
+def paci(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
+    """Paper B: 1f1b flush vs paci at P=4 for a in {P/2, P, 2P}, no clipping (as the paper);
+    paci with Muon; and the wall-clock pair on the real 2-process runtime."""
+    specs = []
+    for opt in [o for o in ("adamw", "muon") if o in profile.optimizers]:
+        accums = profile.accums if opt == "adamw" else (4,)
+        for a in accums:
+            common = {"optimizer": opt, "lr": lrs[opt], "stages": 4, "clip": 0.0}
+            specs.append(
+                RunSpec(
+                    f"paci-flush-{opt}-a{a}",
+                    {**common, "schedule": "1f1b", "microbatches": a},
+                    {"optimizer": opt, "schedule": "1f1b", "a": a},
+                )
+            )
+            specs.append(
+                RunSpec(
+                    f"paci-paci-{opt}-a{a}",
+                    {**common, "schedule": "paci", "microbatches": a},
+                    {"optimizer": opt, "schedule": "paci", "a": a},
+                )
+            )
+    for schedule in ("1f1b", "paci"):  # measured wall clock: real processes, nothing beside them
+        specs.append(
+            RunSpec(
+                f"paci-dist-{schedule}",
+                {
+                    "optimizer": "adamw",
+                    "lr": lrs["adamw"],
+                    "stages": 2,
+                    "clip": 0.0,
+                    "schedule": schedule,
+                    "microbatches": 4,
+                    "runtime": "dist",
+                    "threads": 0,
+                    "model": profile.extra.get("dist_model", profile.base["model"]),
+                },
+                {"optimizer": "adamw", "schedule": schedule, "a": 4, "runtime": "dist"},
+                exclusive=True,
+            )
+        )
+    return specs

@@ -1,0 +1,118 @@
+"""Run a grid of training runs: one subprocess each, a few at a time, resumable.
+
+Every run has a key and a directory ``OUT/runs/KEY``. A run whose ``summary.json`` exists is
+finished and skipped; one with a checkpoint is resumed; a directory with neither (a run killed
+before its first checkpoint) is started again. Runs marked ``exclusive`` (wall-clock
+measurements) run alone, after the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nobubble.errors import NobubbleError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    key: str
+    overrides: dict[str, Any]
+    labels: dict[str, Any] = field(default_factory=dict)
+    exclusive: bool = False
+
+
+@dataclass
+class RunOutcome:
+    spec: RunSpec
+    run_dir: Path
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]]
+
+
+def _load(spec: RunSpec, run_dir: Path) -> RunOutcome:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return RunOutcome(spec, run_dir, summary, [json.loads(x) for x in lines if x.strip()])
+
+
+def _run_one(spec: RunSpec, base: dict[str, Any], runs_dir: Path) -> RunOutcome:
+    run_dir = runs_dir / spec.key
+    if (run_dir / "summary.json").exists():
+        return _load(spec, run_dir)
+    config = {**base, **spec.overrides, "progress": False}
+    if (run_dir / "checkpoint" / "manifest.json").exists():
+        config.update(resume=str(run_dir), out=None)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # never checkpointed: start again
+        config.update(out=str(run_dir), resume=None)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    config_file = runs_dir / f".{spec.key}.json"
+    config_file.write_text(json.dumps(config))
+    log_file = runs_dir / f"{spec.key}.log"
+    with log_file.open("w") as log_out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "nobubble", "train", "--config", str(config_file)],
+            stdout=log_out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+        )
+    if proc.returncode != 0:
+        tail = log_file.read_text().splitlines()[-5:]
+        raise NobubbleError(
+            f"run {spec.key} failed (status {proc.returncode}); its log "
+            f"{log_file} ends with:\n" + "\n".join(tail)
+        )
+    config_file.unlink()
+    return _load(spec, run_dir)
+
+
+def run_grid(
+    specs: Iterable[RunSpec],
+    base: dict[str, Any],
+    out_dir: Path,
+    jobs: int = 2,
+    progress: bool = True,
+    desc: str = "runs",
+) -> dict[str, RunOutcome]:
+    """Run (or reuse) every spec; ``jobs`` shared runs at a time, exclusive ones alone."""
+    from tqdm import tqdm
+
+    specs = list(specs)
+    keys = [s.key for s in specs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(
+            f"duplicate run keys in the grid: {sorted(k for k in keys if keys.count(k) > 1)}"
+        )
+    runs_dir = out_dir / "runs"
+    outcomes: dict[str, RunOutcome] = {}
+    shared = [s for s in specs if not s.exclusive]
+    alone = [s for s in specs if s.exclusive]
+    bar = tqdm(total=len(specs), desc=desc, unit="run", disable=not progress)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(_run_one, s, base, runs_dir): s for s in shared}
+        for future in as_completed(futures):
+            outcome = future.result()
+            outcomes[outcome.spec.key] = outcome
+            bar.set_postfix_str(outcome.spec.key)
+            bar.update(1)
+    for spec in alone:
+        outcomes[spec.key] = _run_one(spec, base, runs_dir)
+        bar.set_postfix_str(spec.key)
+        bar.update(1)
+    bar.close()
+    log.info("%s: %d runs ready in %.0f s", desc, len(specs), time.perf_counter() - t0)
+    return outcomes
