@@ -326,6 +326,72 @@ def cmd_bench_emulator(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----- nobubble bench runtime --------------------------------------------------------------------
+def synthetic_pair(text: str) -> tuple[float, float]:
+    try:
+        fwd, bwd = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected FWD_S,BWD_S (two numbers of seconds), got {text!r}"
+        ) from None
+    return fwd, bwd
+
+
+def cmd_bench_runtime(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from nobubble.bench_runtime import RuntimeBench, bench_runtime
+
+    cfg = RuntimeBench(
+        model=args.model,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        rounds=args.rounds,
+        schedules=tuple(s.strip() for s in args.schedule.split(",")),
+        threads=args.threads,
+        synthetic=args.synthetic,
+    )
+    bar = tqdm(total=cfg.rounds * len(cfg.schedules), disable=args.json, leave=False)
+
+    def progress(text: str) -> None:
+        bar.set_description(text)
+        bar.update(1)
+
+    result = bench_runtime(cfg, progress)
+    bar.close()
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    conf = result["config"]
+    print(
+        f"model {cfg.model}, P={cfg.stages}, M={cfg.microbatches}, B={cfg.micro_batch_size}, "
+        f"T={cfg.seq_len}, {conf['tokens_per_step']} tokens/step, {cfg.rounds} alternating "
+        f"rounds x {cfg.steps} steps ({conf['warmup_steps']} warm-up), medians over rounds"
+    )
+    rows = []
+    for variant in cfg.schedules:
+        r = result[variant]
+        util = r["utilization"]
+        rows.append(
+            {
+                "variant": variant,
+                "tokens_per_s": round(r["tokens_per_s"]),
+                "spread": (max(r["tokens_per_s_rounds"]) - min(r["tokens_per_s_rounds"]))
+                / r["tokens_per_s"],
+                "vs_1f1b": r["vs_1f1b"] if r["vs_1f1b"] is not None else "-",
+                "vs_torch_1f1b": r["vs_torch_1f1b"] if r["vs_torch_1f1b"] is not None else "-",
+                "utilization": [round(u, 3) for u in util] if util else "-",
+                "peak_act_MB": [round(b / 2**20, 1) for b in r["peak_activation_bytes"]],
+                "last_loss": r["last_loss"],
+            }
+        )
+    print_table(rows, list(rows[0]))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schedules", help="list the schedules, one line each")
     p.add_argument("--json", action="store_true")
@@ -391,3 +457,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_emulator)
+
+    q = bench.add_parser(
+        "runtime", help="multi-process runtime vs torch.distributed.pipelining (tokens/s)"
+    )
+    q.add_argument(
+        "--schedule",
+        default="1f1b,paci,2bw,gpipe,pipedream,torch-1f1b,torch-gpipe",
+        help="comma list of nobubble schedules and torch-1f1b, torch-gpipe",
+    )
+    q.add_argument("--model", default="small")
+    q.add_argument("--stages", type=positive_int, default=2)
+    q.add_argument("--microbatches", type=positive_int, default=4)
+    q.add_argument("--micro-batch-size", type=positive_int, default=8)
+    q.add_argument("--seq-len", type=positive_int, default=128)
+    q.add_argument("--steps", type=positive_int, default=20, help="per run, first 10%% warm-up")
+    q.add_argument("--rounds", type=positive_int, default=3)
+    q.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / stages)")
+    q.add_argument(
+        "--synthetic",
+        type=synthetic_pair,
+        default=None,
+        metavar="FWD_S,BWD_S",
+        help="fixed compute times instead of the model (not available yet)",
+    )
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_runtime)

@@ -41,7 +41,13 @@ def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> 
 
 
 def run_experiment(
-    name: str, quick: bool, seeds: int, out: str | None, jobs: int, progress: bool = True
+    name: str,
+    quick: bool,
+    seeds: int,
+    out: str | None,
+    jobs: int,
+    progress: bool = True,
+    report_to: str = "docs/results.md",
 ) -> dict[str, Any]:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")

@@ -102,7 +102,7 @@ MODEL_PRESETS: Mapping[str, ModelShape] = MappingProxyType(
     {
         # ~1.25M, 80% of it embedding + head: trains in seconds on a CPU, for tests and demos.
         "tiny": ModelShape(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=192),
-        # ~3.6M (2.5M at vocab 4096), 8 thin layers: pipeline depth up to P=8 on a CPU (the `depth` experiment)
+        # ~3.6M (2.5M at vocab 4096), 8 thin layers: depth up to P=8 on a CPU (`depth` experiment)
         "mini": ModelShape(dim=128, n_layers=8, n_heads=4, n_kv_heads=2, hidden_dim=352),
         # ~8.6M
         "small": ModelShape(dim=256, n_layers=6, n_heads=4, n_kv_heads=2, hidden_dim=704),

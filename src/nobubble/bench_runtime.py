@@ -1,0 +1,211 @@
+"""``nobubble bench runtime``: nobubble's multi-process runtime vs torch.distributed.pipelining.
+
+Every variant trains the same model on the same data with the same optimizer, P processes on
+this machine, for ``steps`` optimizer steps of M micro-batches of B sequences: nobubble's
+schedules through ``nobubble train --runtime dist`` (validation only after the last step, so
+the asynchronous schedules never drain before it; pipedream and paci step every M backwards,
+so that every variant applies the same tokens per step), torch's ``ScheduleGPipe`` and
+``Schedule1F1B`` through ``nobubble.dist.torch_peer``. Rounds alternate the variants, so every
+ratio comes from the same conditions; each figure is the median over the rounds.
+
+Reported per variant: tokens per second over the steady window (both sides skip the first
+``max(1, steps // 10)`` steps), the measured steady utilization per stage (nobubble's compute
+spans; torch's schedules record none: null) and the peak activation bytes per stage (autograd's
+saved tensors of the micro-batches in flight, measured the same way on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from nobubble.assemble import load_data
+from nobubble.config import TrainConfig
+from nobubble.dist.torch_peer import TORCH_SCHEDULES, launch_peer
+from nobubble.errors import NobubbleError
+from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES
+
+REFERENCES = ("1f1b", "torch-1f1b")  # the ratios' denominators, when they are benchmarked
+
+
+@dataclass(frozen=True)
+class RuntimeBench:
+    """What to run. ``synthetic`` (FWD_S, BWD_S): reserved for a compute-free mode."""
+
+    model: str = "small"
+    stages: int = 2
+    microbatches: int = 4
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    steps: int = 20
+    rounds: int = 3
+    schedules: tuple[str, ...] = (
+        "1f1b",
+        "paci",
+        "2bw",
+        "gpipe",
+        "pipedream",
+        "torch-1f1b",
+        "torch-gpipe",
+    )
+    threads: int = 0  # torch threads per process; 0: cores / stages, as `nobubble train`
+    data: str = "shakespeare"
+    vocab_size: int = 4096
+    optimizer: str = "adamw"
+    synthetic: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.synthetic is not None:
+            raise ValueError("synthetic mode: not available yet")
+        known = (*SCHEDULE_NAMES, *TORCH_SCHEDULES)
+        unknown = [s for s in self.schedules if s not in known]
+        if unknown or not self.schedules:
+            raise ValueError(
+                f"--schedule {','.join(self.schedules)!r} names {unknown or 'no schedule'}; "
+                f"valid: a comma list of {', '.join(known)}"
+            )
+        if len(set(self.schedules)) != len(self.schedules):
+            raise ValueError(f"--schedule {','.join(self.schedules)!r} repeats a schedule")
+        if self.steps < 2 or self.rounds < 1:
+            raise ValueError(
+                f"--steps {self.steps} --rounds {self.rounds}: use --steps >= 2 (the first "
+                "is warm-up) and --rounds >= 1"
+            )
+        for variant in self.schedules:
+            self.train_config(variant)  # every TrainConfig check, before any run
+
+    def train_config(self, variant: str) -> TrainConfig:
+        """The run of ``variant``; a torch variant gets the nobubble schedule of its order."""
+        name = TORCH_SCHEDULES[variant][1] if variant in TORCH_SCHEDULES else variant
+        return TrainConfig(
+            schedule=name,
+            stages=self.stages,
+            microbatches=self.microbatches,
+            accum=self.microbatches if SCHEDULES[name].uses_accum else None,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            steps=self.steps,
+            model=self.model,
+            data=self.data,
+            vocab_size=self.vocab_size,
+            optimizer=self.optimizer,
+            threads=self.threads,
+            eval_every=self.steps,  # drain and validate only after the last step
+            eval_batches=1,
+            sample_tokens=0,
+            progress=False,
+            runtime="dist",
+        )
+
+
+def train_argv(cfg: TrainConfig, skip: tuple[str, ...] = ()) -> list[str]:
+    """``nobubble train`` flags that give ``cfg`` (the fields that differ from the defaults)."""
+    argv = []
+    for f in fields(TrainConfig):
+        value, default = getattr(cfg, f.name), f.default
+        if value == default or value is None or default is MISSING or f.name in skip:
+            continue
+        if f.name == "progress":
+            argv.append("--no-progress")
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        argv += ["--" + f.name.replace("_", "-"), text]
+    return argv
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_nobubble(cfg: TrainConfig, out: Path, log: Path) -> dict[str, Any]:
+    """One ``nobubble train --runtime dist`` run; its figures from summary.json."""
+    command = [sys.executable, "-m", "nobubble", "train", *train_argv(cfg), "--out", str(out)]
+    with log.open("ab") as sink:
+        code = subprocess.run(command, stdout=sink, stderr=sink).returncode
+    if code != 0:
+        raise NobubbleError(f"{cfg.schedule} exited with status {code}:\n{_tail(log)}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {
+        "tokens_per_s": summary["tokens_per_s"],
+        "utilization": summary.get("steady_utilization"),
+        "peak_activation_bytes": summary["peak_activation_bytes"],
+        "last_loss": summary["last_loss"],
+    }
+
+
+def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[str, Any]:
+    cfg = bench.train_config(variant)
+    out.mkdir(parents=True)
+    try:
+        # the peer's own --schedule names the torch schedule
+        result = launch_peer(
+            train_argv(cfg, skip=("schedule",)),
+            variant,
+            out / "result.json",
+            cfg.stages,
+            cfg.dist_timeout,
+            log,
+        )
+    except NobubbleError as err:
+        raise NobubbleError(f"{err}:\n{_tail(log)}") from None
+    return {
+        "tokens_per_s": result["tokens_per_s"],
+        "utilization": None,  # torch's schedules keep no compute timeline
+        "peak_activation_bytes": result["peak_activation_bytes"],
+        "last_loss": result["losses"][-1],
+    }
+
+
+def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians over the rounds and the ratios to the reference schedules."""
+    out: dict[str, Any] = {}
+    for variant, rounds in runs.items():
+        tok = [r["tokens_per_s"] for r in rounds]
+        utils = [r["utilization"] for r in rounds if r["utilization"] is not None]
+        out[variant] = {
+            "tokens_per_s": statistics.median(tok),
+            "tokens_per_s_rounds": tok,
+            "utilization": [statistics.median(u) for u in zip(*utils, strict=True)]
+            if utils
+            else None,
+            "peak_activation_bytes": rounds[-1]["peak_activation_bytes"],  # deterministic
+            "last_loss": rounds[-1]["last_loss"],
+        }
+    for variant in out:
+        for ref in REFERENCES:
+            key = "vs_" + ref.replace("-", "_")
+            out[variant][key] = (
+                out[variant]["tokens_per_s"] / out[ref]["tokens_per_s"] if ref in out else None
+            )
+    out["config"] = asdict(bench) | {
+        "tokens_per_step": bench.train_config(bench.schedules[0]).tokens_per_step,
+        "warmup_steps": max(1, bench.steps // 10),
+    }
+    return out
+
+
+def bench_runtime(bench: RuntimeBench, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run every variant ``bench.rounds`` times, alternating; ``progress`` after each run."""
+    load_data(bench.train_config(bench.schedules[0]))  # fill the data cache before any rank
+    work = Path(tempfile.mkdtemp(prefix="nobubble-bench-runtime-"))
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in bench.schedules}
+    for r in range(bench.rounds):
+        for variant in bench.schedules:
+            out, log = work / f"{variant}-{r}", work / f"{variant}-{r}.log"
+            if variant in TORCH_SCHEDULES:
+                figures = run_torch(bench, variant, out, log)
+            else:
+                figures = run_nobubble(bench.train_config(variant), out, log)
+            runs[variant].append(figures)
+            progress(f"round {r + 1} {variant}: {figures['tokens_per_s']:,.0f} tok/s")
+    shutil.rmtree(work)  # kept on failure: the error names the log
+    return summarize(bench, runs)
