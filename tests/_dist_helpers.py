@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -142,12 +143,15 @@ def _alive(pid: str) -> bool:
 def processes_of(marker: str) -> list[int]:
     """Live processes whose command line contains ``marker`` (e.g. a run directory)."""
     needle = marker.encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            if needle in _read(f"/proc/{entry}/cmdline") and _alive(entry):
-                pids.append(int(entry))
-    return pids
+    mine = os.getpid()
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit()
+        and int(entry) != mine
+        and needle in _read(f"/proc/{entry}/cmdline")
+        and _alive(entry)
+    ]
 
 
 def launched_rank(marker: str, rank: int) -> int | None:
@@ -162,7 +166,5 @@ def launched_rank(marker: str, rank: int) -> int | None:
 def kill_all(pids: list[int]) -> None:
     """Clean-up after a failed test: the processes this test started, by id."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it left on its own meanwhile
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

@@ -74,8 +74,16 @@ def finalize(
     return final
 
 
+def checkpoint_dir(run_dir: Path) -> Path:
+    """The checkpoint folder; the previous one if a crash fell between finalize's two renames."""
+    final, old = run_dir / CHECKPOINT, run_dir / f".{CHECKPOINT}-old"
+    if not (final / MANIFEST).is_file() and (old / MANIFEST).is_file():
+        return old
+    return final
+
+
 def read_manifest(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / CHECKPOINT / MANIFEST
+    path = checkpoint_dir(run_dir) / MANIFEST
     if not path.is_file():
         raise CheckpointError(
             f"no complete checkpoint in {str(run_dir)!r} ({CHECKPOINT}/{MANIFEST} is missing); "
@@ -108,7 +116,7 @@ def check_fingerprint(manifest: dict[str, Any], fingerprint: dict[str, Any], whe
 
 def load_part(run_dir: Path, manifest: dict[str, Any], stage: int) -> dict[str, Any]:
     name = f"stage{stage}.pt"
-    path = run_dir / CHECKPOINT / name
+    path = checkpoint_dir(run_dir) / name
     if not path.is_file() or _sha256(path) != manifest["files"].get(name):
         raise CheckpointError(
             f"checkpoint part {str(path)!r} is missing or corrupted (checksum "

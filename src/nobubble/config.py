@@ -56,8 +56,9 @@ class TrainConfig:
     threads: torch intra-op threads per process (0: torch's default; the multi-process runtime
         defaults to cores / stages, since OpenMP threads that outnumber cores spin and stall).
     stop_at: stop after the checkpoint of this step (a planned interruption; --resume continues).
-    dist_timeout: seconds a rank waits for a peer before it gives up (and the launcher's bound
-        on stopping the others after a failure). master_port: rendezvous port (0: a free one).
+    dist_timeout: seconds a rank waits for a peer before it gives up: a hung rank is caught
+        that way, and every process is gone within it + 6 s. master_port: rendezvous port
+        (0: a free one).
     """
 
     schedule: str = "paci"
@@ -90,7 +91,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     sample_tokens: int = 200
     runtime: str = "emulate"
-    dist_timeout: float = 60.0
+    dist_timeout: float = 50.0
     out: str | None = None
     resume: str | None = None
     progress: bool = True

@@ -12,7 +12,13 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from nobubble.experiments import run_experiment
 
     summary = run_experiment(
-        args.name, args.quick, args.seeds, args.out, args.jobs, progress=not args.json
+        args.name,
+        args.quick,
+        args.seeds,
+        args.out,
+        args.jobs,
+        progress=not args.json,
+        report_to=args.report_to,
     )
     if args.json:
         print(json.dumps(summary, default=str))

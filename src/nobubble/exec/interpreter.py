@@ -47,13 +47,13 @@ class Interpreter:
         t1 = self.clock()
         output = self.handlers[action.kind](action, received)
         t2 = self.clock()
-        self._ship(action, output)
+        shipped = self._ship(action, output)
         if self.record:
             t3 = self.clock()
             self.spans.append((action, t1, t2))
-            if t1 > t0:
+            if received is not None:  # only actions that really received or sent
                 self.comm.append(("recv", action, t0, t1))
-            if t3 > t2:
+            if shipped:
                 self.comm.append(("send", action, t2, t3))
 
     def _receive(self, action: Action) -> torch.Tensor | None:
@@ -64,11 +64,13 @@ class Interpreter:
         source = remote_dependency(action, self.num_stages)
         return None if source is None else self.transport.recv(source, action.stage)
 
-    def _ship(self, action: Action, tensor: torch.Tensor | None) -> None:
+    def _ship(self, action: Action, tensor: torch.Tensor | None) -> bool:
         consumer = sends_after(action, self.num_stages)
-        if consumer is not None:
-            assert tensor is not None, f"{action} produced nothing for {consumer}"
-            self.transport.send(action, tensor, consumer.stage)
+        if consumer is None:
+            return False
+        assert tensor is not None, f"{action} produced nothing for {consumer}"
+        self.transport.send(action, tensor, consumer.stage)
+        return True
 
     def _forward(self, action: Action, received: torch.Tensor | None) -> torch.Tensor | None:
         return self.worker.forward(action.number, received)

@@ -1,0 +1,346 @@
+"""One rank of the multi-process runtime: its stage, its order, the shared interpreter.
+
+Each process builds the same plan (schedule, ledger, split) from the same config, keeps its own
+stage and executes its own action order through the interpreter the emulator uses; only the
+transport differs. Drain points are where ranks meet: pipelined validation, the gathering of
+per-step figures and spans for the run directory (written by the last rank, which holds the
+loss), and checkpoints (each rank writes its part; the manifest is written once all exist).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nobubble.assemble import load_data, make_plan, make_stages, make_worker
+from nobubble.checkpoint import (
+    check_fingerprint,
+    finalize,
+    load_part,
+    read_manifest,
+    save_part,
+    staging_dir,
+)
+from nobubble.config import TrainConfig
+from nobubble.dist.transport import EVAL_TAG_BASE, DistTransport
+from nobubble.exec import Interpreter
+from nobubble.ir import STEP, Action
+from nobubble.metrics import MetricsWriter, truncate_metrics
+from nobubble.sim.metrics import measured_utilization
+from nobubble.train import RunResult, provenance, resolve_run_dir, run_summary, sample_from_state
+from nobubble.viz import save_gantt, save_trace, trace_events
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @staticmethod
+    def from_environ() -> RankEnv:
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            raise ValueError("--runtime dist inside a launcher needs RANK and WORLD_SIZE in the "
+                             "environment (torchrun sets them)") from None
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return RankEnv(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+class RankFailure(RuntimeError):
+    """This rank could not continue; the message names rank, action and the resume point."""
+
+
+def _config_hash(cfg: TrainConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.fingerprint(), sort_keys=True).encode()).hexdigest()
+
+
+def _check_same_config(cfg: TrainConfig, world_size: int) -> None:
+    """Every rank must run the same numbers: compare hashes, then name what differs."""
+    hashes: list[Any] = [None] * world_size
+    dist.all_gather_object(hashes, _config_hash(cfg))
+    differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    if not differ:
+        return
+    reference: list[Any] = [cfg.fingerprint()]
+    dist.broadcast_object_list(reference, src=0)
+    fields = sorted(k for k, v in cfg.fingerprint().items() if reference[0].get(k) != v)
+    mine = ", ".join(f"{k}={getattr(cfg, k)!r} (rank 0: {reference[0].get(k)!r})"
+                     for k in fields)
+    raise ValueError(f"ranks {differ} run a different configuration than rank 0 (config hash "
+                     f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "
+                     "same flags")
+
+
+class RankRun:
+    def __init__(self, cfg: TrainConfig, env: RankEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.rank, self.last = env.rank, env.world_size - 1
+        self.device = (torch.device("cuda", env.local_rank) if torch.cuda.is_available()
+                       else torch.device("cpu"))
+        _check_same_config(cfg, env.world_size)
+        run_dir: list[Any] = [str(resolve_run_dir(cfg)) if self.rank == 0 else None]
+        dist.broadcast_object_list(run_dir, src=0)  # one directory, however each rank named it
+        self.run_dir = Path(run_dir[0])
+        self.start_step, manifest = 0, None
+        if cfg.resume:
+            manifest = read_manifest(self.run_dir)
+            check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
+            self.start_step = manifest["step"]
+        if self.rank != 0:
+            dist.barrier()  # rank 0 fills the data cache first (tokenizer training, encoding)
+        self.data = load_data(cfg)
+        if self.rank == 0:
+            dist.barrier()
+        self.plan = make_plan(cfg, self.data.vocab_size)
+        module = make_stages(self.plan)[self.rank].to(self.device)
+        self.worker = make_worker(self.plan, module, self.data)
+        if manifest is not None:
+            self.worker.load_state_dict(load_part(self.run_dir, manifest, self.rank))
+        shape = (cfg.micro_batch_size, cfg.seq_len, self.plan.model_cfg.dim)
+        self.transport = DistTransport(shape, torch.float32, self.device, dist.new_group())
+        # wall-clock spans: comparable across the processes of one machine
+        self.interpreter = Interpreter(self.worker, self.transport, cfg.stages, cfg.global_clip,
+                                       clock=time.time)
+        self.order = self.plan.schedule.ranks[self.rank]
+        self.position = 0 if not self.start_step else 1 + next(
+            i for i, a in enumerate(self.order) if a.kind == STEP and a.number == self.start_step)
+        self.step_times: dict[int, float] = {}
+        self.records: list[dict[str, Any]] = []
+        self.segment_start = 0  # spans since the last drain point
+
+    # ----- the loop ------------------------------------------------------------------------------
+    def run(self) -> RunResult | None:
+        from tqdm import tqdm
+
+        writer = self._open_run_dir()
+        show = self.rank == self.last and self.cfg.progress
+        bar = tqdm(total=self.cfg.steps, initial=self.start_step, desc=f"{self.cfg.schedule} "
+                   f"(dist, {self.env.world_size} ranks)", unit="step", disable=not show,
+                   leave=False)
+        start_time: list[Any] = [time.time()]
+        dist.broadcast_object_list(start_time, src=0)
+        self.t0 = float(start_time[0]) - self._resumed_elapsed()
+        stop = self.cfg.stop_at or self.cfg.steps
+        try:
+            for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
+                self._run_until(point, bar)
+                self._drain_point(point, writer)
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        return self._finish()
+
+    def _run_until(self, step: int, bar: Any) -> None:
+        while self.position < len(self.order):
+            action = self.order[self.position]
+            self.current = action
+            self.interpreter.execute(action)
+            self.position += 1
+            if action.kind == STEP:
+                self.step_times[action.number] = time.time()
+                bar.update(1)
+                if action.number == step:
+                    break
+        self.transport.flush()
+
+    # ----- drain points --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _evaluate(self) -> float | None:
+        """Validation through the pipeline: forwards only, stage to stage."""
+        module, P = self.worker.module, self.env.world_size
+        module.eval()
+        batches = self.data.val_batches(self.cfg.micro_batch_size, self.cfg.eval_batches)
+        shape = self.transport.shape
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            tag = EVAL_TAG_BASE + i
+            h = x.to(self.device)
+            if self.rank > 0:
+                h = torch.empty(shape, dtype=torch.float32, device=self.device)
+                dist.recv(h, self.rank - 1, tag=tag)
+            out = module(h, y.to(self.device)) if self.rank == self.last else module(h)
+            if self.rank < P - 1:
+                dist.send(out.float().contiguous(), self.rank + 1, tag=tag)
+            else:
+                losses.append(float(out))
+        module.train()
+        return sum(losses) / len(losses) if losses else None
+
+    def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
+        val_loss = self._evaluate()
+        segment = self.interpreter.spans[self.segment_start:]
+        self.segment_start = len(self.interpreter.spans)
+        mine = {"grad_norms": self.worker.grad_norms, "times": self.step_times,
+                "spans": [(str(a), s, e) for a, s, e in segment]}
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, mine)
+        if self.rank == self.last:
+            self._write_records(step, gathered, val_loss, writer)
+        self.worker.grad_norms, self.step_times = {}, {}
+        every = self.cfg.checkpoint_every
+        if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
+            save_part(staging_dir(self.run_dir, step), self.rank, self.worker.state_dict())
+            dist.barrier()  # every part is on disk before the manifest marks it complete
+            if self.rank == self.last:
+                finalize(self.run_dir, step, self.cfg.stages, self.cfg.fingerprint(),
+                         {"elapsed_s": self.records[-1]["elapsed_s"]})
+            dist.barrier()
+            self.last_checkpoint = step
+
+    def _write_records(self, step: int, gathered: list[dict[str, Any]], val_loss: float | None,
+                       writer: MetricsWriter | None) -> None:
+        m = self.plan.schedule.num_microbatches
+        done = sorted(gathered[self.last]["times"])
+        for j in done:
+            losses = [self.worker.losses.pop(i) for i in range((j - 1) * m, j * m)]
+            record = {"step": j, "loss": sum(losses) / len(losses),
+                      "lr": self.worker.lr_fn(j - 1), "tokens": j * self.cfg.tokens_per_step,
+                      "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
+                      "grad_norm": [g["grad_norms"][j] for g in gathered]}
+            if j == step:  # the drain point: validation and the segment's measured timeline
+                record["val_loss"] = val_loss
+                util = measured_utilization([_lane(g["spans"]) for g in gathered])
+                record.update(utilization=util["utilization"],
+                              bubble_share=util["bubble_share"])
+            self.records.append(record)
+            if writer is not None:
+                writer.write(record)
+
+    # ----- run directory -------------------------------------------------------------------------
+    def _open_run_dir(self) -> MetricsWriter | None:
+        if self.rank != self.last:
+            dist.barrier()
+            return None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.cfg.resume:
+            payload = {"config": self.cfg.to_json(), "provenance": provenance(),
+                       "resolved": {"world_size": self.env.world_size,
+                                    "backend": dist.get_backend(),
+                                    "tokens_per_step": self.cfg.tokens_per_step,
+                                    "drain_points": self.plan.drain_points}}
+            (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
+        else:
+            truncate_metrics(self.run_dir, self.start_step)
+        writer = MetricsWriter(self.run_dir)
+        dist.barrier()
+        return writer
+
+    def _resumed_elapsed(self) -> float:
+        if not self.start_step:
+            return 0.0
+        return float(read_manifest(self.run_dir).get("elapsed_s", 0.0))
+
+    def _finish(self) -> RunResult | None:
+        w = self.worker
+        mine = {"spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
+                "comm": [(k, str(a), s, e) for k, a, s, e in self.interpreter.comm],
+                "peaks": (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live),
+                "state": ({k: v.cpu() for k, v in w.module.state_dict().items()}
+                          if self.cfg.sample_tokens else {})}
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, mine)
+        if self.rank != self.last:
+            return None
+        return write_outputs(self, gathered)
+
+
+def _lane(spans: list[tuple[str, float, float]]) -> list[tuple[Action, float, float]]:
+    return [(Action.parse(a), s, e) for a, s, e in spans]
+
+
+def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
+    """The last rank writes the timeline, ledger, sample and summary of the whole run."""
+    lanes = [[(Action.parse(a), s - run.t0, e - run.t0) for a, s, e in g["spans"]]
+             for g in gathered]
+    comm = []
+    for g in gathered:
+        lane = []
+        for kind, text, s, e in g["comm"]:
+            a = Action.parse(text)  # e.g. recv of 1F3 -> RECV_F; STEP's recv is the all-reduce
+            label = "ALLREDUCE" if a.kind == STEP else f"{kind.upper()}_{a.kind}"
+            lane.append((Action(a.stage, label, a.number), s - run.t0, e - run.t0))
+        comm.append(lane)
+    util = measured_utilization(lanes)
+    events = trace_events(lanes, time_scale_us=1e6, process_name="compute")
+    events += trace_events(comm, time_scale_us=1e6, process_name="communication", pid=1)
+    save_trace(run.run_dir / "trace.json", events)
+    title = (f"{run.cfg.schedule}  measured, {run.env.world_size} processes  "
+             f"bubble {util['bubble_share']:.1%}")
+    save_gantt(run.run_dir / "timeline.png", [(title, lanes)], time_unit="seconds")
+    ledger = run.plan.ledger
+    (run.run_dir / "ledger.json").write_text(json.dumps({
+        "summary": ledger.summary(),
+        "crossed_histogram": {str(k): v for k, v in ledger.crossed_histogram().items()},
+    }, indent=1) + "\n")
+    text = None
+    if run.cfg.sample_tokens:
+        state: dict[str, torch.Tensor] = {}
+        for g in gathered:
+            state.update(g["state"])
+        text = sample_from_state(run.plan, state, run.data)
+        if text is not None:
+            (run.run_dir / "sample.txt").write_text(text + "\n")
+    peaks = [g["peaks"] for g in gathered]
+    summary = run_summary(run.cfg, run.records, peaks, text)
+    summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return RunResult(run.run_dir, run.records, summary)
+
+
+def run_rank(cfg: TrainConfig) -> RunResult | None:
+    """Entry point of one process (torchrun or ``nobubble train --runtime dist``)."""
+    env = RankEnv.from_environ()
+    if env.world_size != cfg.stages:
+        raise ValueError(f"world size {env.world_size} does not match --stages {cfg.stages}: "
+                         f"launch {cfg.stages} processes (torchrun --nproc-per-node "
+                         f"{cfg.stages}) or set --stages {env.world_size}")
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(threads)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
+    run: RankRun | None = None
+    try:
+        run = RankRun(cfg, env)
+        result = run.run()
+    except Exception as err:  # any failure: name the rank, the action, the resume point
+        _fail(env, cfg, run, err)
+    dist.destroy_process_group()
+    return result
+
+
+def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:
+    where = "during setup"
+    if run is not None and getattr(run, "current", None) is not None:
+        peer = run.transport.peer_of_last_wait
+        waiting = f", waiting for rank {peer}" if peer is not None else ""
+        where = f"at position {run.position} ({run.current}){waiting}"
+    run_dir = run.run_dir if run is not None else (cfg.resume or cfg.out)
+    try:
+        step = read_manifest(Path(str(run_dir)))["step"] if run_dir else None
+    except ValueError:
+        step = None
+    resume = (f"resume from the checkpoint of step {step}: nobubble train --resume {run_dir}"
+              if step else "no checkpoint was written yet: start the run again")
+    print(f"nobubble: rank {env.rank} (stage {env.rank}) failed {where}: "
+          f"{type(err).__name__}: {err}; {resume}", file=sys.stderr, flush=True)
+    # Peers may be dead or blocked: no collective clean-up, leave now with a failure status.
+    os._exit(1)

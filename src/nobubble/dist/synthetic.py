@@ -1,0 +1,180 @@
+"""Synthetic runs: every forward and backward is a fixed-duration wait, not compute.
+
+They run the real runtime pieces (interpreter, torch.distributed transport, one process per
+stage) with a stand-in worker, so the measured makespan isolates the runtime's own overhead and
+can be checked against the simulator's prediction for the same schedule and durations. Waits do
+not use the CPU, so P = 8 processes run fine on 2 cores.
+
+Entry of one rank: ``python -m nobubble.dist.synthetic --schedule S --stages P ... --result F``
+with torchrun's environment variables; ``run_synthetic`` launches all ranks and collects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nobubble.dist.launch import _watch, free_port
+from nobubble.dist.transport import DistTransport
+from nobubble.exec import Interpreter
+from nobubble.ir import Schedule
+from nobubble.schedules import build_schedule
+from nobubble.validate import validate
+
+TOKEN = (1,)  # the payload each transfer carries: one float
+
+
+class WaitWorker:
+    """Stands in for StageWorker: sleeps instead of computing, keeps the same bookkeeping."""
+
+    def __init__(self, schedule: Schedule, stage: int, fwd_s: float, bwd_s: float) -> None:
+        self.schedule, self.stage = schedule, stage
+        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+        self.first, self.last = stage == 0, stage == schedule.num_stages - 1
+        self.backwards_in_batch = 0
+
+    def forward(self, m: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        time.sleep(self.fwd_s)
+        return None if self.last else torch.zeros(TOKEN)
+
+    def backward(self, m: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        time.sleep(self.bwd_s)
+        self.backwards_in_batch += 1
+        return None if self.first else torch.zeros(TOKEN)
+
+    @property
+    def batch_complete(self) -> bool:
+        return self.backwards_in_batch == self.schedule.num_microbatches
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return torch.zeros(())
+
+    def step(self, step: int, total_sq_norm: torch.Tensor | None = None) -> None:
+        self.backwards_in_batch = 0
+
+
+def _ping_latency(rank: int, rounds: int = 20) -> float:
+    """Half the median round trip of one float between ranks 0 and 1 (seconds)."""
+    buf, times = torch.zeros(TOKEN), []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] / 2
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    schedule = build_schedule(args.schedule, world, args.microbatches, args.steps, args.accum)
+    validate(schedule)
+    latency = _ping_latency(rank) if world > 1 else 0.0
+    worker = WaitWorker(schedule, rank, args.fwd, args.bwd)
+    transport = DistTransport(TOKEN, torch.float32, torch.device("cpu"))
+    interp = Interpreter(worker, transport, world, clock=time.time)  # type: ignore[arg-type]
+    dist.barrier()
+    for action in schedule.ranks[rank]:
+        interp.execute(action)
+    transport.flush()
+    spans = [(str(a), s, e) for a, s, e in interp.spans]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, spans)
+    if rank == 0:
+        t0 = min(s for lane in gathered for _, s, _ in lane)
+        t1 = max(e for lane in gathered for _, _, e in lane)
+        Path(args.result).write_text(json.dumps({"makespan_s": t1 - t0, "latency_s": latency,
+                                                 "spans": gathered}))
+    dist.destroy_process_group()
+
+
+def run_synthetic(schedule: str, stages: int, microbatches: int, steps: int, fwd_s: float,
+                  bwd_s: float, accum: int | None = None, timeout: float = 300.0
+                  ) -> dict[str, Any]:
+    """Launch one synthetic run on ``stages`` local processes and return rank 0's result."""
+    import tempfile
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        command = [sys.executable, "-m", "nobubble.dist.synthetic", "--schedule", schedule,
+                   "--microbatches", str(microbatches), "--steps", str(steps),
+                   "--fwd", str(fwd_s), "--bwd", str(bwd_s), "--result", str(result)]
+        if accum is not None:
+            command += ["--accum", str(accum)]
+        procs = []
+        for rank in range(stages):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(stages), LOCAL_RANK=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen(command, env=env))
+        failed = _watch(procs)
+        if failed:
+            raise RuntimeError(f"synthetic run {schedule} P={stages}: rank {failed[0][0]} "
+                               f"failed with status {failed[0][1]}")
+        out: dict[str, Any] = json.loads(result.read_text())
+    return out
+
+
+def compare_with_simulator(schedules: list[str], stages: int, microbatches: int, steps: int,
+                           fwd_s: float, bwd_s: float, accum: int | None = None,
+                           rounds: int = 3) -> list[dict[str, Any]]:
+    """Measured makespan (median of ``rounds``, alternating schedules) vs the simulator's.
+
+    The prediction uses the same durations and, as a second figure, the measured one-way
+    transfer latency (ping between ranks 0 and 1).
+    """
+    from statistics import median
+
+    from nobubble.sim import CostModel, simulate
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in schedules}
+    for _ in range(rounds):
+        for name in schedules:
+            runs[name].append(run_synthetic(name, stages, microbatches, steps, fwd_s, bwd_s,
+                                            accum if name in ("pipedream", "paci") else None))
+    rows = []
+    for name, results in runs.items():
+        schedule = build_schedule(name, stages, microbatches, steps,
+                                  accum if name in ("pipedream", "paci") else None)
+        measured = median(r["makespan_s"] for r in results)
+        latency = median(r["latency_s"] for r in results)
+        predicted = simulate(schedule, CostModel(fwd=fwd_s, bwd=bwd_s)).metrics.makespan
+        with_latency = simulate(schedule, CostModel(fwd=fwd_s, bwd=bwd_s, latency=latency))
+        rows.append({"schedule": name, "stages": stages, "microbatches":
+                     schedule.num_microbatches, "steps": steps, "measured_s": measured,
+                     "predicted_s": predicted,
+                     "predicted_with_latency_s": with_latency.metrics.makespan,
+                     "latency_ms": latency * 1e3, "error": measured / predicted - 1.0})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m nobubble.dist.synthetic")
+    p.add_argument("--schedule", required=True)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--accum", type=int, default=None)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--fwd", type=float, required=True)
+    p.add_argument("--bwd", type=float, required=True)
+    p.add_argument("--result", required=True)
+    rank_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

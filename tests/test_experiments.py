@@ -1,0 +1,79 @@
+"""Smoke tests of `nobubble experiment ... --quick`: files, keys and finite numbers.
+
+The full experiments are not tests (they take about an hour each); their results live in
+docs/results.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nobubble.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def _finite(x) -> bool:
+    if isinstance(x, dict):
+        return all(_finite(v) for v in x.values())
+    if isinstance(x, list):
+        return all(_finite(v) for v in x)
+    if isinstance(x, float):
+        return math.isfinite(x)
+    return True
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    out = tmp_path_factory.mktemp("experiments")
+    for name in ("delay-vs-optimizer", "error-feedback", "depth", "paci"):
+        assert main(["experiment", name, "--quick", "--seeds", "1", "--out", str(out),
+                     "--json"]) == 0
+    return out
+
+
+def test_quick_experiments_write_their_files(root):
+    for name in ("delay-vs-optimizer", "error-feedback", "depth", "paci"):
+        summary = json.loads((root / name / "summary.json").read_text())
+        assert summary["experiment"] == name and summary["profile"] == "quick"
+        assert (root / name / "table.md").read_text().startswith(f"# {name}")
+        for fig in summary["figures"]:
+            assert (root / name / fig).read_bytes()[:4] == b"\x89PNG"
+        assert _finite({k: v for k, v in summary.items() if k != "base"})
+    lr = json.loads((root / "lr-sweep" / "lr.json").read_text())
+    assert set(lr["best"]) == {"adamw", "muon"}
+
+
+def test_quick_summaries_have_the_reported_keys(root):
+    delay = json.loads((root / "delay-vs-optimizer" / "summary.json").read_text())
+    for row in delay["optimizers"].values():
+        assert {"sync", "delayed", "gap"} <= set(row)
+    ef = json.loads((root / "error-feedback" / "summary.json").read_text())
+    for row in ef["optimizers"].values():
+        assert {"gap_none", "ef", "sync-warmup", "lam_sweep_gap"} <= set(row)
+    depth = json.loads((root / "depth" / "summary.json").read_text())
+    assert set(depth["gaps"]["adamw"]) == {"pipedream", "pipedream+EF", "2bw", "2bw+EF"}
+    paci = json.loads((root / "paci" / "summary.json").read_text())
+    assert {p["a"] for p in paci["pairs"] if p["optimizer"] == "adamw"} == {2, 4}
+    assert paci["measured"]["seconds_to_target"]["paci"] is not None
+
+
+def test_finished_runs_are_reused_not_redone(root):
+    runs = root / "delay-vs-optimizer" / "runs"
+    stamps = {p: p.stat().st_mtime for p in runs.glob("*/summary.json")}
+    assert main(["experiment", "delay-vs-optimizer", "--quick", "--seeds", "1", "--out",
+                 str(root), "--json"]) == 0
+    assert {p: p.stat().st_mtime for p in runs.glob("*/summary.json")} == stamps
+
+
+def test_report_collects_every_experiment(root, tmp_path):
+    target = tmp_path / "results.md"
+    assert main(["experiment", "report", "--out", str(root), "--report-to", str(target)]) == 0
+    text = target.read_text()
+    for title in ("One-step delay", "Error feedback", "PipeDream vs 2BW", "PACI vs 1F1B"):
+        assert title in text
+    assert "**Verdict:**" in text
+    assert list((tmp_path / "img" / "results").glob("*.png"))
