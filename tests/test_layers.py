@@ -37,6 +37,7 @@ LAYERS = {
     "metrics": 3,
     "experiments": 3,
     "bench_runtime": 3,
+    "demo": 3,
     "bench": 3,
     "cli": 3,
 }

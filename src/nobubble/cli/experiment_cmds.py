@@ -40,7 +40,26 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nobubble.demo import format_demo, run_demo
+
+    result = run_demo(Path(args.out), args.steps, progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_demo(result))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="paci + Muon vs 1f1b on 2 real processes, side by side")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("experiment", help="reproduce the papers' claims at small scale")
     p.add_argument("name", choices=EXPERIMENT_NAMES)
     p.add_argument("--quick", action="store_true", help="a few-minute smoke version")
