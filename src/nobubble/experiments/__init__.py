@@ -28,7 +28,10 @@ def default_root(quick: bool) -> Path:
 def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> dict[str, float]:
     """Best synchronous lr per optimizer (final validation loss), shared by all experiments."""
     out = root / "lr-sweep"
-    outcomes = run_grid(grids.lr_sweep(profile), profile.base, out, jobs, progress, "lr sweep")
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes = run_grid(
+        grids.lr_sweep(profile), profile.base, root / "runs", jobs, progress, "lr sweep"
+    )
     best: dict[str, float] = {}
     table = {}
     for opt in profile.optimizers:
@@ -61,8 +64,9 @@ def run_experiment(
     profile = grids.QUICK if quick else grids.FULL
     lrs = tuned_lrs(profile, root, jobs, progress)
     exp_dir = root / name
+    exp_dir.mkdir(parents=True, exist_ok=True)
     outcomes = run_grid(
-        GRIDS[name](profile, lrs, seeds), profile.base, exp_dir, jobs, progress, name
+        GRIDS[name](profile, lrs, seeds), profile.base, root / "runs", jobs, progress, name
     )
     summary = summarize(name, outcomes, exp_dir, profile, lrs)
     summary.update(

@@ -24,7 +24,7 @@ class Profile:
     lr_grid: dict[str, tuple[float, ...]]
     depths: tuple[int, ...] = (2, 4, 8)
     accums: tuple[int, ...] = (2, 4, 8)
-    lambdas: tuple[float, ...] = (0.5, 1.5, 2.0)
+    lambdas: tuple[float, ...] = (0.5, 2.0)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -76,18 +76,24 @@ def _run_one(spec: RunSpec, base: dict[str, Any], runs_dir: Path) -> RunOutcome:
             f"{log_file} ends with:\n" + "\n".join(tail)
         )
     config_file.unlink()
+    # The run is finished (summary.json exists): its checkpoint only served resuming it.
+    shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     return _load(spec, run_dir)
 
 
 def run_grid(
     specs: Iterable[RunSpec],
     base: dict[str, Any],
-    out_dir: Path,
+    runs_dir: Path,
     jobs: int = 2,
     progress: bool = True,
     desc: str = "runs",
 ) -> dict[str, RunOutcome]:
-    """Run (or reuse) every spec; ``jobs`` shared runs at a time, exclusive ones alone."""
+    """Run (or reuse) every spec in ``runs_dir/KEY``; ``jobs`` at a time, exclusive ones alone.
+
+    Experiments share one runs folder, so a run that two experiments need (same key, same
+    settings) runs once.
+    """
     from tqdm import tqdm
 
     specs = list(specs)
@@ -96,7 +102,6 @@ def run_grid(
         raise ValueError(
             f"duplicate run keys in the grid: {sorted(k for k in keys if keys.count(k) > 1)}"
         )
-    runs_dir = out_dir / "runs"
     outcomes: dict[str, RunOutcome] = {}
     shared = [s for s in specs if not s.exclusive]
     alone = [s for s in specs if s.exclusive]
