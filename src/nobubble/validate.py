@@ -9,6 +9,7 @@ shows the schedule grid with the failing cell marked.
 
 from __future__ import annotations
 
+from nobubble.deps import local_prerequisites
 from nobubble.ir import COMPUTE_KINDS, STEP, Action, B, F, Schedule, ScheduleError, format_grid
 from nobubble.ledger import forward_version
 from nobubble.placement import rank_of
@@ -52,10 +53,9 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
                 fail(pos, f"expected STEP{current + 1} (steps are numbered 1, 2, ... in order)")
             if m > schedule.num_steps:
                 fail(pos, f"step {m} is past the schedule's {schedule.num_steps} steps")
-            if backwards_in_batch[m - 1] != per_step:
-                missing = next(
-                    mb for mb in range((m - 1) * per_step, m * per_step) if not seen_b[mb]
-                )
+            if backwards_in_batch[m - 1] != per_step:  # the dependency rule names which
+                needed = local_prerequisites(Action(stage, kind, m), per_step)
+                missing = next(a.number for a in needed if not seen_b[a.number])
                 fail(
                     pos,
                     f"step {m} applies batch {m - 1}, but the backward of micro-batch "
