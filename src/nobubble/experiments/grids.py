@@ -51,10 +51,12 @@ FULL = Profile(
         "eval_batches": 16,
     },
     optimizers=("adamw", "muon", "nadam", "lion"),
+    # A first partial sweep (tiny, 250 steps) put AdamW's and NAdam's best lr at the top of
+    # (1e-3, 3e-3, 1e-2): val 5.238 / 4.806 / 4.706 for AdamW, so the grid reaches 3e-2.
     lr_grid={
-        "adamw": (1e-3, 3e-3, 1e-2),
+        "adamw": (3e-3, 1e-2, 3e-2),
         "muon": (3e-3, 1e-2, 3e-2),
-        "nadam": (1e-3, 3e-3, 1e-2),
+        "nadam": (3e-3, 1e-2, 3e-2),
         "lion": (3e-4, 1e-3, 3e-3),
     },
     extra={"depth_model": "mini", "depth_micro_batch": 2, "dist_model": "small"},
