@@ -119,7 +119,6 @@ def run_synthetic(
     fwd_s: float,
     bwd_s: float,
     accum: int | None = None,
-    timeout: float = 300.0,
 ) -> dict[str, Any]:
     """Launch one synthetic run on ``stages`` local processes and return rank 0's result."""
     import tempfile
