@@ -17,6 +17,7 @@ saved tensors of the micro-batches in flight, measured the same way on both side
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -64,7 +65,10 @@ class RuntimeBench:
 
     def __post_init__(self) -> None:
         if self.synthetic is not None:
-            raise ValueError("synthetic mode: not available yet")
+            raise ValueError(
+                "synthetic mode runs through `nobubble bench runtime --synthetic` "
+                "(nobubble.dist.synthetic), not RuntimeBench"
+            )
         known = (*SCHEDULE_NAMES, *TORCH_SCHEDULES)
         unknown = [s for s in self.schedules if s not in known]
         if unknown or not self.schedules:
@@ -196,6 +200,7 @@ def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dic
 def bench_runtime(bench: RuntimeBench, progress: Callable[[str], None]) -> dict[str, Any]:
     """Run every variant ``bench.rounds`` times, alternating; ``progress`` after each run."""
     load_data(bench.train_config(bench.schedules[0]))  # fill the data cache before any rank
+    load = [os.getloadavg()[0]]  # other work on the machine skews every figure: report it
     work = Path(tempfile.mkdtemp(prefix="nobubble-bench-runtime-"))
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in bench.schedules}
     for r in range(bench.rounds):
@@ -208,4 +213,7 @@ def bench_runtime(bench: RuntimeBench, progress: Callable[[str], None]) -> dict[
             runs[variant].append(figures)
             progress(f"round {r + 1} {variant}: {figures['tokens_per_s']:,.0f} tok/s")
     shutil.rmtree(work)  # kept on failure: the error names the log
-    return summarize(bench, runs)
+    load.append(os.getloadavg()[0])
+    result = summarize(bench, runs)
+    result["config"]["load_average"] = load  # 1-minute load before and after
+    return result

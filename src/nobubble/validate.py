@@ -54,8 +54,8 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
             if m > schedule.num_steps:
                 fail(pos, f"step {m} is past the schedule's {schedule.num_steps} steps")
             if backwards_in_batch[m - 1] != per_step:  # the dependency rule names which
-                needed = local_prerequisites(Action(stage, kind, m), per_step)
-                missing = next(a.number for a in needed if not seen_b[a.number])
+                prerequisites = local_prerequisites(Action(stage, kind, m), per_step)
+                missing = next(a.number for a in prerequisites if not seen_b[a.number])
                 fail(
                     pos,
                     f"step {m} applies batch {m - 1}, but the backward of micro-batch "

@@ -337,7 +337,47 @@ def synthetic_pair(text: str) -> tuple[float, float]:
     return fwd, bwd
 
 
+def bench_synthetic(args: argparse.Namespace) -> int:
+    """Fixed-duration waits on real processes against the simulator's prediction."""
+    from nobubble.dist.synthetic import compare_with_simulator
+
+    names = [n.strip() for n in args.schedule.split(",") if n.strip() in SCHEDULE_NAMES]
+    fwd, bwd = args.synthetic
+    rows = compare_with_simulator(
+        names,
+        args.stages,
+        args.microbatches,
+        args.steps,
+        fwd,
+        bwd,
+        accum=args.microbatches,
+        rounds=args.rounds,
+    )
+    if args.json:
+        print(json.dumps({"synthetic": {"fwd_s": fwd, "bwd_s": bwd}, "runs": rows}))
+        return 0
+    print(
+        f"synthetic: forward {fwd * 1e3:g} ms, backward {bwd * 1e3:g} ms, P={args.stages}, "
+        f"M=a={args.microbatches}, {args.steps} steps, median of {args.rounds} rounds"
+    )
+    print_table(
+        rows,
+        [
+            "schedule",
+            "measured_s",
+            "predicted_s",
+            "error",
+            "predicted_with_latency_s",
+            "error_with_latency",
+            "latency_ms",
+        ],
+    )
+    return 0
+
+
 def cmd_bench_runtime(args: argparse.Namespace) -> int:
+    if args.synthetic is not None:  # compute-free: the runtime's own overhead vs the simulator
+        return bench_synthetic(args)
     from tqdm import tqdm
 
     from nobubble.bench_runtime import RuntimeBench, bench_runtime
@@ -369,7 +409,8 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     print(
         f"model {cfg.model}, P={cfg.stages}, M={cfg.microbatches}, B={cfg.micro_batch_size}, "
         f"T={cfg.seq_len}, {conf['tokens_per_step']} tokens/step, {cfg.rounds} alternating "
-        f"rounds x {cfg.steps} steps ({conf['warmup_steps']} warm-up), medians over rounds"
+        f"rounds x {cfg.steps} steps ({conf['warmup_steps']} warm-up), medians over rounds; "
+        f"load average {conf['load_average'][0]:.1f} before, {conf['load_average'][1]:.1f} after"
     )
     rows = []
     for variant in cfg.schedules:
@@ -479,7 +520,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=synthetic_pair,
         default=None,
         metavar="FWD_S,BWD_S",
-        help="fixed compute times instead of the model (not available yet)",
+        help="fixed-duration waits instead of compute, compared with the simulator",
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_runtime)

@@ -151,7 +151,8 @@ class RankRun:
         while self.position < len(self.order):
             action = self.order[self.position]
             self.current = action
-            self.interpreter.execute(action)
+            upcoming = self.order[self.position + 1] if self.position + 1 < len(self.order) else None
+            self.interpreter.execute(action, upcoming)
             self.position += 1
             if action.kind == STEP:
                 self.step_times[action.number] = time.time()

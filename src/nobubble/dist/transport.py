@@ -3,8 +3,9 @@
 Activations and gradients between neighbouring stages have one shape per run, agreed before
 training (``(B, T, D)``), so a receive allocates its buffer without a shape exchange. Sends are
 asynchronous (``batch_isend_irecv``); their handles are kept until completed so the tensors stay
-alive. Receives block, with the process group's timeout, so a dead or hung peer turns into an
-error on this rank instead of a hang. Tags carry (kind, micro-batch): messages never mix.
+alive. The receive of the next action is posted before the current one computes
+(``prefetch``). Receives block, with the process group's timeout, so a dead or hung peer turns
+into an error on this rank instead of a hang. Tags carry (kind, micro-batch): messages never mix.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class DistTransport:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.group = collective_group
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.posted: dict[Action, tuple[list[dist.Work], torch.Tensor]] = {}
         self.shares: dict[int, torch.Tensor] = {}
         self.peer_of_last_wait: int | None = None
 
@@ -41,12 +43,20 @@ class DistTransport:
         self.pending += [(work, tensor) for work in dist.batch_isend_irecv([op])]
         self._reap()
 
-    def recv(self, producer: Action, dst_stage: int) -> torch.Tensor:
+    def prefetch(self, producer: Action, dst_stage: int) -> None:
+        """Post the receive of a later action now, so its message lands while this rank computes
+        (a process blocked in a receive pays the operating system's wake-up latency)."""
+        if producer in self.posted:
+            return
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        src = rank_of(producer.stage)
-        self.peer_of_last_wait = src
-        op = dist.P2POp(dist.irecv, buffer, src, tag=message_tag(producer))
-        for work in dist.batch_isend_irecv([op]):
+        op = dist.P2POp(dist.irecv, buffer, rank_of(producer.stage), tag=message_tag(producer))
+        self.posted[producer] = (dist.batch_isend_irecv([op]), buffer)
+
+    def recv(self, producer: Action, dst_stage: int) -> torch.Tensor:
+        self.prefetch(producer, dst_stage)
+        works, buffer = self.posted.pop(producer)
+        self.peer_of_last_wait = rank_of(producer.stage)
+        for work in works:
             work.wait()
         self.peer_of_last_wait = None
         return buffer

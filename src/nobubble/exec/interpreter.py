@@ -40,8 +40,16 @@ class Interpreter:
             STEP: self._step,
         }
 
-    def execute(self, action: Action) -> None:
-        """Receive what the action consumes, run it, ship what it produces; time each part."""
+    def execute(self, action: Action, upcoming: Action | None = None) -> None:
+        """Receive what the action consumes, run it, ship what it produces; time each part.
+
+        ``upcoming`` (the rank's next action) lets the transport post that action's receive
+        before this one computes.
+        """
+        if upcoming is not None:
+            source = remote_dependency(upcoming, self.num_stages)
+            if source is not None:
+                self.transport.prefetch(source, upcoming.stage)
         t0 = self.clock()
         received = self._receive(action)
         t1 = self.clock()

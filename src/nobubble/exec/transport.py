@@ -19,6 +19,10 @@ class Transport(Protocol):
 
     def recv(self, producer: Action, dst_stage: int) -> torch.Tensor: ...
 
+    def prefetch(self, producer: Action, dst_stage: int) -> None:
+        """Optionally start receiving a later action's input now (no-op in one process)."""
+        ...
+
     def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
         """Offer this stage's share of a sum over stages (global gradient-norm clipping)."""
         ...
@@ -46,6 +50,9 @@ class InProcessTransport:
 
     def recv(self, producer: Action, dst_stage: int) -> torch.Tensor:
         return self.mailbox.pop(producer)
+
+    def prefetch(self, producer: Action, dst_stage: int) -> None:
+        return None
 
     def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
         self.shares.setdefault(step, {})[stage] = value

@@ -1,0 +1,350 @@
+"""One rank of a ``torch.distributed.pipelining`` run on nobubble's model, data and optimizer.
+
+The baseline of ``nobubble bench runtime``: the same ``TrainConfig`` gives the same model, the
+same stage split (assemble's make_plan/make_stages), the same micro-batches (the M micro-batches
+of batch j are concatenated, and the schedule's split along the batch dimension gives them back
+exactly), the same optimizer, lr schedule and global clipping; only the pipeline engine is
+torch's ``ScheduleGPipe`` or ``Schedule1F1B``. The last stage returns logits because torch's
+schedules apply the loss themselves (``loss_fn = lm_loss``); torch averages the micro-batch
+gradients by dividing by M after the backwards (``scale_grads=True``).
+
+Timing mirrors nobubble's runtime: one barrier before the first step, then each rank notes the
+wall time after each of its optimizer steps; a step ends when its last rank is done; throughput
+is tokens over the steady window (the first ``max(1, steps // 10)`` steps are warm-up).
+
+Run ``python -m nobubble.dist.torch_peer --schedule torch-1f1b --result FILE <train flags>``
+under torchrun-style environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one
+process per stage; ``launch_peer`` starts them on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from nobubble.assemble import load_data, make_plan, make_stages
+from nobubble.config import TrainConfig
+from nobubble.data import TokenData
+from nobubble.dist.launch import free_port
+from nobubble.errors import NobubbleError
+from nobubble.model import StageModule
+from nobubble.model.gpt import lm_loss, run_layers
+from nobubble.optim import (
+    build_optimizer,
+    clip_coefficient,
+    grad_sq_norm,
+    lr_at,
+    scale_grads_,
+)
+
+# torch schedule -> (its class, the nobubble schedule with the same per-stage order)
+TORCH_SCHEDULES: dict[str, tuple[type[ScheduleGPipe] | type[Schedule1F1B], str]] = {
+    "torch-gpipe": (ScheduleGPipe, "gpipe"),
+    "torch-1f1b": (Schedule1F1B, "1f1b"),
+}
+
+
+class ActivationMeter:
+    """Bytes autograd saves for backward per micro-batch (weights excluded), held until the
+    micro-batch's backward starts: nobubble's worker measures the same (``_count_saved``)."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        self.weight_storages = {w.untyped_storage().data_ptr() for w in weights}
+        self.held: list[int] = []  # bytes per micro-batch in flight, oldest first (FIFO B)
+        self.peak_inflight = 0
+        self.peak_bytes = 0
+
+    def saving(self, new: bool) -> contextlib.AbstractContextManager[Any]:
+        """Count what autograd saves inside; ``new`` opens a micro-batch, else adds to the
+        newest (the loss on the last stage)."""
+        if new:
+            self.held.append(0)
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.weight_storages and ptr not in seen:
+                seen.add(ptr)
+                # min: a micro-batch split from the whole batch counts its own bytes only
+                self.held[-1] += min(t.untyped_storage().nbytes(), t.numel() * t.element_size())
+                self._peaks()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def reset(self) -> None:
+        """Forget everything so far. Called after the first step: torch's shape inference runs
+        one more forward on stage 0 whose backward never comes."""
+        self.held, self.peak_inflight, self.peak_bytes = [], 0, 0
+
+    def _peaks(self) -> None:
+        self.peak_inflight = max(self.peak_inflight, len(self.held))
+        self.peak_bytes = max(self.peak_bytes, sum(self.held))
+
+    def release(self, grad: torch.Tensor) -> None:
+        """Hook on a stage output: its gradient arrives when the micro-batch's backward starts."""
+        self.held.pop(0)
+
+
+class PeerStage(nn.Module):
+    """A StageModule's pieces under the same parameter names; the last stage returns logits."""
+
+    def __init__(self, stage: StageModule, autocast_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg, self.is_first, self.is_last = stage.cfg, stage.is_first, stage.is_last
+        self.autocast_dtype = autocast_dtype
+        if stage.is_first:
+            self.embed = stage.embed
+        self.layers = stage.layers
+        if stage.is_last:
+            self.norm, self.head = stage.norm, stage.head
+        self.meter = ActivationMeter([p for p in self.parameters()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        autocast = torch.autocast(
+            x.device.type,
+            dtype=self.autocast_dtype or torch.bfloat16,
+            enabled=self.autocast_dtype is not None,
+        )
+        # torch's shape inference runs one forward first (meta tensors past stage 0): not a
+        # micro-batch; stage 0's, on real ids, is dropped by meter.reset() after step 1
+        counted = not x.is_meta and torch.is_grad_enabled()
+        meter = self.meter.saving(new=True) if counted else contextlib.nullcontext()
+        with autocast, meter:
+            h = self.embed(x) if self.is_first else x  # (B, T, D)
+            h = run_layers(self.layers, h, self.cfg)
+            out = self.head(self.norm(h)) if self.is_last else h.float()  # (B, T, V) or (B, T, D)
+        if counted:
+            out.register_hook(self.meter.release)
+        return out
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """lm_loss, its saved tensors counted with the micro-batch's (as in StageModule)."""
+        if logits.is_meta or not torch.is_grad_enabled():
+            return lm_loss(logits, targets)
+        with self.meter.saving(new=False):
+            return lm_loss(logits, targets)
+
+
+def peer_config(cfg: TrainConfig, schedule: str) -> TrainConfig:
+    """``cfg`` with the nobubble schedule that has ``schedule``'s order (sets global clipping)."""
+    if schedule not in TORCH_SCHEDULES:
+        raise ValueError(
+            f"--schedule {schedule!r} is not a torch.distributed.pipelining schedule; valid: "
+            f"{', '.join(TORCH_SCHEDULES)}"
+        )
+    return replace(cfg, schedule=TORCH_SCHEDULES[schedule][1])
+
+
+def batch_of(data: TokenData, j: int, m: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch j as one tensor pair (M*B, T): micro-batches jM..jM+M-1, concatenated in order."""
+    pairs = [data.train_microbatch(j * m + i, b) for i in range(m)]
+    return torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])  # (M*B, T) each
+
+
+class PeerRun:
+    """This rank's stage under a torch schedule; the process group must be initialized."""
+
+    def __init__(self, cfg: TrainConfig, schedule: str, device: torch.device) -> None:
+        self.cfg = peer_config(cfg, schedule)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world != cfg.stages:
+            raise ValueError(
+                f"world size {self.world} does not match --stages {cfg.stages}: start "
+                f"{cfg.stages} processes or set --stages {self.world}"
+            )
+        self.device = device
+        self.data = load_data(self.cfg)
+        plan = make_plan(self.cfg, self.data.vocab_size)
+        autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
+        # moved first: the meter tells weights from activations by storage
+        self.module = PeerStage(make_stages(plan)[self.rank].to(device), autocast)
+        self.optim_cfg = self.cfg.optim_config()
+        self.optimizer = build_optimizer(self.optim_cfg, list(self.module.named_parameters()))
+        stage = PipelineStage(self.module, self.rank, self.world, device)
+        cls = TORCH_SCHEDULES[schedule][0]
+        self.m = self.cfg.num_microbatches
+        self.schedule = cls(stage, self.m, loss_fn=self.module.loss)
+        self.losses: list[float] = []  # mean loss per step (last rank)
+
+    def run_batch(self, j: int) -> None:
+        """Forwards and backwards of batch j: the averaged gradient lands in ``.grad``."""
+        x, y = batch_of(self.data, j, self.m, self.cfg.micro_batch_size)
+        losses: list[torch.Tensor] = []
+        if self.rank == 0:
+            self.schedule.step(x.to(self.device), return_outputs=False)
+        elif self.rank == self.world - 1:
+            self.schedule.step(target=y.to(self.device), losses=losses, return_outputs=False)
+            self.losses.append(sum(float(v.detach()) for v in losses) / len(losses))
+        else:
+            self.schedule.step(return_outputs=False)
+
+    def apply(self, j: int) -> None:
+        """Step j+1: global clipping (sync schedules), lr schedule, optimizer, as nobubble."""
+        params = list(self.module.parameters())
+        sq_norm = grad_sq_norm(params).to(self.device, torch.float32).reshape(1)
+        dist.all_reduce(sq_norm)
+        norm = math.sqrt(float(sq_norm))
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"stage {self.rank}, step {j + 1}: non-finite gradients")
+        if self.optim_cfg.clip_norm is not None:
+            scale_grads_(params, clip_coefficient(norm, self.optim_cfg.clip_norm))
+        self.optimizer.set_lr(lr_at(j, self.cfg.steps, self.optim_cfg))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train(self) -> list[float]:
+        """All steps; the wall time at which this rank finished each, from a common start."""
+        dist.barrier()
+        t0, ends = time.time(), []
+        for j in range(self.cfg.steps):
+            self.run_batch(j)
+            self.apply(j)
+            ends.append(time.time() - t0)
+            if j == 0:
+                self.module.meter.reset()
+        return ends
+
+
+def result_of(run: PeerRun, schedule: str, ends: list[list[float]], peaks: list[Any]) -> dict:
+    """The figures of the run from every rank's step end times and activation peaks."""
+    cfg = run.cfg
+    end = [max(e[j] for e in ends) for j in range(cfg.steps)]  # a step ends on its last rank
+    warm = max(1, cfg.steps // 10)  # the same steady window as nobubble's run_summary
+    window = end[-1] - end[warm - 1]
+    tokens = (cfg.steps - warm) * cfg.tokens_per_step
+    return {
+        "schedule": schedule,
+        "stages": cfg.stages,
+        "microbatches": run.m,
+        "steps": cfg.steps,
+        "warmup_steps": warm,
+        "tokens_per_step": cfg.tokens_per_step,
+        "tokens_per_s": tokens / window if window > 0 else None,
+        "step_times_s": [b - a for a, b in zip([0.0, *end[:-1]], end, strict=True)],
+        "losses": run.losses,
+        "peak_inflight": [p[0] for p in peaks],
+        "peak_activation_bytes": [p[1] for p in peaks],
+        "backend": dist.get_backend(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
+    """Entry of one process: train ``cfg.steps`` steps; the last rank writes ``result``."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
+    try:
+        run = PeerRun(cfg, schedule, device)
+        ends = run.train()
+        meter = run.module.meter
+        mine = (ends, (meter.peak_inflight, meter.peak_bytes))
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == world - 1:
+            out = result_of(run, schedule, [g[0] for g in gathered], [g[1] for g in gathered])
+            result.write_text(json.dumps(out, indent=1) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], grace: float) -> tuple[int, int] | None:
+    """Wait for every rank; after the first failure the others get ``grace`` seconds to notice
+    (closed connections, or the process group's timeout) before they are killed."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None or all(c == 0 for c in codes):
+            break
+        time.sleep(0.1)
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return failed
+
+
+def launch_peer(
+    train_argv: list[str], schedule: str, result: Path, stages: int, timeout: float, log: Path
+) -> dict[str, Any]:
+    """Run the peer on ``stages`` local processes, output appended to ``log``; its result.
+
+    As ``nobubble train --runtime dist`` does: a free port, one process per rank, and when one
+    fails the others are stopped within ``timeout`` seconds.
+    """
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with log.open("ab") as sink:
+            for rank in range(stages):
+                env = dict(
+                    os.environ,
+                    RANK=str(rank),
+                    WORLD_SIZE=str(stages),
+                    LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(stages),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    TOKENIZERS_PARALLELISM="false",
+                )
+                command = [
+                    sys.executable,
+                    "-m",
+                    "nobubble.dist.torch_peer",
+                    "--schedule",
+                    schedule,
+                    "--result",
+                    str(result),
+                    *train_argv,
+                ]
+                procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=sink))
+            failed = _wait(procs, timeout)
+    finally:  # also on an interrupt: no rank outlives the launcher
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed is not None:
+        rank, code = failed
+        raise NobubbleError(
+            f"{schedule}: rank {rank} exited with status {code}; the other ranks were stopped. "
+            f"Its output is in {log}"
+        )
+    return dict(json.loads(result.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nobubble.cli.train_cmds import build_train_parser, config_from_args
+
+    outer = argparse.ArgumentParser(prog="python -m nobubble.dist.torch_peer", add_help=False)
+    outer.add_argument("--schedule", required=True, choices=list(TORCH_SCHEDULES))
+    outer.add_argument("--result", required=True, type=Path, help="JSON file (last rank)")
+    args, rest = outer.parse_known_args(argv)
+    train_args = build_train_parser().parse_args(rest)
+    cfg = peer_config(config_from_args(train_args), args.schedule)
+    run_peer(cfg, args.schedule, args.result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
