@@ -30,8 +30,9 @@ def _finite(x) -> bool:
 def root(tmp_path_factory):
     out = tmp_path_factory.mktemp("experiments")
     for name in ("delay-vs-optimizer", "error-feedback", "depth", "paci"):
-        assert main(["experiment", name, "--quick", "--seeds", "1", "--out", str(out),
-                     "--json"]) == 0
+        assert (
+            main(["experiment", name, "--quick", "--seeds", "1", "--out", str(out), "--json"]) == 0
+        )
     return out
 
 
@@ -64,8 +65,21 @@ def test_quick_summaries_have_the_reported_keys(root):
 def test_finished_runs_are_reused_not_redone(root):
     runs = root / "runs"
     stamps = {p: p.stat().st_mtime for p in runs.glob("*/summary.json")}
-    assert main(["experiment", "delay-vs-optimizer", "--quick", "--seeds", "1", "--out",
-                 str(root), "--json"]) == 0
+    assert (
+        main(
+            [
+                "experiment",
+                "delay-vs-optimizer",
+                "--quick",
+                "--seeds",
+                "1",
+                "--out",
+                str(root),
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert {p: p.stat().st_mtime for p in runs.glob("*/summary.json")} == stamps
 
 

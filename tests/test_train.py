@@ -162,8 +162,15 @@ def test_bin_shard_with_a_wrong_header_is_refused(capsys, tmp_path):
 
 def test_sync_warmup_is_synchronous_then_delayed(corpus, tmp_path):
     # clip 0: clipping is global for 1f1b but per stage for 2bw, which would differ by itself
-    warm = small(corpus, tmp_path / "warm", schedule="2bw", correction="sync-warmup",
-                 sync_warmup=3, sample_tokens=0, clip=0.0)
+    warm = small(
+        corpus,
+        tmp_path / "warm",
+        schedule="2bw",
+        correction="sync-warmup",
+        sync_warmup=3,
+        sample_tokens=0,
+        clip=0.0,
+    )
     sync = small(corpus, tmp_path / "sync", schedule="1f1b", sample_tokens=0, clip=0.0)
     Trainer(warm).run()
     Trainer(sync).run()
