@@ -61,7 +61,8 @@ def run_demo(out: Path, steps: int, progress: bool = True) -> dict[str, Any]:
             ]
             if not progress:
                 command.append("--no-progress")
-            if subprocess.run(command).returncode != 0:
+            # the runs report on stderr: stdout carries only the demo's own table or JSON
+            if subprocess.run(command, stdout=sys.stderr).returncode != 0:
                 raise NobubbleError(f"the {schedule} demo run failed; see the messages above")
         summaries[schedule] = json.loads((run_dir / "summary.json").read_text())
     window = 1.5  # seconds of each timeline: a few batches, readable
