@@ -87,12 +87,16 @@ def _key(**parts: Any) -> str:
     return "-".join(f"{k}{v}" if k not in ("", "name") else str(v) for k, v in parts.items())
 
 
+def _sweep_key(opt: str, lr: float) -> str:
+    return f"sweep-{opt}-lr{lr:g}"
+
+
 def lr_sweep(profile: Profile) -> list[RunSpec]:
     """Synchronous runs (P=1: plain training) over each optimizer's lr grid, seed 0."""
     return [
         RunSpec(
-            f"sweep-{opt}-lr{lr:g}",
-            {"optimizer": opt, "lr": lr, "schedule": "1f1b", "stages": 1},
+            _sweep_key(opt, lr),
+            {"optimizer": opt, "lr": lr, "schedule": "1f1b", "stages": 1, "seed": 0},
             {"optimizer": opt, "lr": lr},
         )
         for opt in profile.optimizers
@@ -110,9 +114,12 @@ def delay_vs_optimizer(profile: Profile, lrs: dict[str, float], seeds: int) -> l
     for opt in profile.optimizers:
         for schedule in ("1f1b", "2bw"):
             for seed in range(seeds):
+                # The synchronous seed-0 run is the winning run of the lr sweep: same
+                # settings, so it is reused rather than trained twice.
+                reuse = schedule == "1f1b" and seed == 0
                 specs.append(
                     RunSpec(
-                        f"{schedule}-{opt}-s{seed}",
+                        _sweep_key(opt, lrs[opt]) if reuse else f"{schedule}-{opt}-s{seed}",
                         {
                             "optimizer": opt,
                             "lr": lrs[opt],
