@@ -32,6 +32,7 @@ from nobubble.assemble import load_data
 from nobubble.config import TrainConfig
 from nobubble.dist.torch_peer import TORCH_SCHEDULES, launch_peer
 from nobubble.errors import NobubbleError
+from nobubble.model import model_config, partition_layers, partition_rows
 from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES
 
 REFERENCES = ("1f1b", "torch-1f1b")  # the ratios' denominators, when they are benchmarked
@@ -193,8 +194,22 @@ def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dic
     out["config"] = asdict(bench) | {
         "tokens_per_step": bench.train_config(bench.schedules[0]).tokens_per_step,
         "warmup_steps": max(1, bench.steps // 10),
+        "partition": partition_balance(bench),
     }
     return out
+
+
+def partition_balance(bench: RuntimeBench) -> dict[str, Any]:
+    """The split every variant uses and its estimated balance (lightest / heaviest stage cost).
+
+    Layers are indivisible, so a split can be uneven; the lighter stages then idle for the
+    difference whatever the schedule, and their utilization cannot pass this balance.
+    """
+    cfg = model_config(bench.model, bench.vocab_size, bench.seq_len)
+    ranges = partition_layers(cfg, bench.stages, seq_len=bench.seq_len)
+    rows = partition_rows(cfg, ranges, bench.seq_len)
+    costs = [row["cost"] for row in rows]
+    return {"layers": [row["layers"] for row in rows], "balance": min(costs) / max(costs)}
 
 
 def bench_runtime(bench: RuntimeBench, progress: Callable[[str], None]) -> dict[str, Any]:

@@ -384,6 +384,8 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
 
     cfg = RuntimeBench(
         model=args.model,
+        vocab_size=args.vocab_size,
+        optimizer=args.optimizer,
         stages=args.stages,
         microbatches=args.microbatches,
         micro_batch_size=args.micro_batch_size,
@@ -411,6 +413,12 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         f"T={cfg.seq_len}, {conf['tokens_per_step']} tokens/step, {cfg.rounds} alternating "
         f"rounds x {cfg.steps} steps ({conf['warmup_steps']} warm-up), medians over rounds; "
         f"load average {conf['load_average'][0]:.1f} before, {conf['load_average'][1]:.1f} after"
+    )
+    part = conf["partition"]
+    print(
+        f"vocab {cfg.vocab_size}, {cfg.optimizer}; layers per stage {' | '.join(part['layers'])}, "
+        f"estimated stage-cost balance (lightest / heaviest) {part['balance']:.3f}: "
+        "the lighter stages' utilization ceiling"
     )
     rows = []
     for variant in cfg.schedules:
@@ -508,6 +516,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma list of nobubble schedules and torch-1f1b, torch-gpipe",
     )
     q.add_argument("--model", default="small")
+    q.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=4096,
+        help="BPE vocabulary; it sets the head's cost, so the balance of the split",
+    )
+    q.add_argument("--optimizer", default="adamw")
     q.add_argument("--stages", type=positive_int, default=2)
     q.add_argument("--microbatches", type=positive_int, default=4)
     q.add_argument("--micro-batch-size", type=positive_int, default=8)
