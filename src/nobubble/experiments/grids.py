@@ -53,11 +53,12 @@ FULL = Profile(
     optimizers=("adamw", "muon", "nadam", "lion"),
     # A first partial sweep (tiny, 250 steps) put AdamW's and NAdam's best lr at the top of
     # (1e-3, 3e-3, 1e-2): val 5.238 / 4.806 / 4.706 for AdamW, so the grid reaches 3e-2.
+    # Lion's best was the top of (3e-4, 1e-3, 3e-3), so its grid reaches 1e-2.
     lr_grid={
         "adamw": (3e-3, 1e-2, 3e-2),
         "muon": (3e-3, 1e-2, 3e-2),
         "nadam": (3e-3, 1e-2, 3e-2),
-        "lion": (3e-4, 1e-3, 3e-3),
+        "lion": (3e-4, 1e-3, 3e-3, 1e-2),
     },
     extra={"depth_model": "mini", "depth_micro_batch": 2, "dist_model": "small"},
 )
