@@ -123,6 +123,9 @@ class RankRun:
         self.step_times: dict[int, float] = {}
         self.records: list[dict[str, Any]] = []
         self.segment_start = 0  # spans since the last drain point
+        # What the ranks meet for at a drain point (None while executing the schedule): a
+        # failure there names the meeting and the ranks it waits for, not the last action.
+        self.meeting: tuple[str, list[int]] | None = None
 
     # ----- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult | None:
@@ -185,18 +188,24 @@ class RankRun:
         return sum(losses) / len(losses) if losses else None
 
     def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
+        P = self.env.world_size
+        neighbours = [r for r in (self.rank - 1, self.rank + 1) if 0 <= r < P]
+        self.meeting = f"pipelined validation after step {step}", neighbours
         val_loss = self._evaluate()
         segment = self.interpreter.spans[self.segment_start:]
         self.segment_start = len(self.interpreter.spans)
         mine = {"grad_norms": self.worker.grad_norms, "times": self.step_times,
                 "spans": [(str(a), s, e) for a, s, e in segment]}
         gathered: list[Any] = [None] * self.env.world_size
+        others = [r for r in range(P) if r != self.rank]
+        self.meeting = f"gathering the metrics of step {step}", others
         dist.all_gather_object(gathered, mine)
         if self.rank == self.last:
             self._write_records(step, gathered, val_loss, writer)
         self.worker.grad_norms, self.step_times = {}, {}
         every = self.cfg.checkpoint_every
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
+            self.meeting = f"writing the checkpoint of step {step}", others
             save_part(staging_dir(self.run_dir, step), self.rank, self.worker.state_dict())
             dist.barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
@@ -204,6 +213,7 @@ class RankRun:
                          {"elapsed_s": self.records[-1]["elapsed_s"]})
             dist.barrier()
             self.last_checkpoint = step
+        self.meeting = None
 
     def _write_records(self, step: int, gathered: list[dict[str, Any]], val_loss: float | None,
                        writer: MetricsWriter | None) -> None:
@@ -330,7 +340,12 @@ def run_rank(cfg: TrainConfig) -> RunResult | None:
 
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:
     where = "during setup"
-    if run is not None and getattr(run, "current", None) is not None:
+    if run is not None and getattr(run, "meeting", None) is not None:
+        assert run.meeting is not None
+        what, ranks = run.meeting
+        names = ", ".join(str(r) for r in ranks)
+        where = f"in the {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
+    elif run is not None and getattr(run, "current", None) is not None:
         peer = run.transport.peer_of_last_wait
         waiting = f", waiting for rank {peer}" if peer is not None else ""
         where = f"at position {run.position} ({run.current}){waiting}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,31 @@ class Saved:
     inputs: torch.Tensor  # stage input: token ids on stage 0, a grad-requiring leaf elsewhere
     output: torch.Tensor | None  # None in recompute mode (the graph is rebuilt at backward)
     activation_bytes: int  # autograd's saved tensors (the stage input alone when recomputing)
+
+
+def accumulate_grads(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], grad_out: torch.Tensor | None
+) -> None:
+    """Add one micro-batch's weight gradients ``grads`` into ``params``' ``.grad``.
+
+    A parameter without ``.grad`` adopts autograd's result without a copy (as autograd's own
+    accumulation does), unless that tensor may be shared: a view, the incoming gradient
+    ``grad_out`` (a transport buffer that the next receive overwrites), or a storage already
+    adopted by another parameter; those are copied.
+    """
+    taken = set() if grad_out is None else {grad_out.untyped_storage().data_ptr()}
+    with torch.no_grad():
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is not None:
+                p.grad.add_(g)
+                continue
+            ptr = g.untyped_storage().data_ptr()
+            owned = not g._is_view() and ptr not in taken
+            if owned and g.dtype == p.dtype and g.stride() == p.stride():
+                p.grad = g
+            else:
+                p.grad = g.to(p.dtype).clone()
+            taken.add(ptr)
 
 
 class StageWorker:
@@ -151,12 +176,8 @@ class StageWorker:
         targets = ([saved.inputs] if wants_input else []) + leaves
         grads = torch.autograd.grad(out, targets, grad_outputs=grad_out)
         grad_in = grads[0] if wants_input else None
-        with torch.no_grad():
-            for (_, p), g in zip(self.named, grads[len(grads) - len(leaves) :], strict=True):
-                if p.grad is None:
-                    p.grad = g.to(p.dtype).clone()
-                else:
-                    p.grad.add_(g)
+        params = [p for _, p in self.named]
+        accumulate_grads(params, grads[len(grads) - len(leaves) :], grad_out)
         if self.schedule.backward_rule == "stashed":
             self.versions.consumed(version)
         self.backwards_in_batch += 1
