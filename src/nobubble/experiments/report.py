@@ -61,8 +61,16 @@ def verdict_ef(s: dict[str, Any]) -> str:
             continue
         rec = row["ef"]["recovered"]
         word = "reproduced" if rec >= 0.5 else ("partly" if rec > 0 else "not reproduced")
-        parts.append(f"{opt}: EF recovers {rec:.0%} ({word})")
+        warm = row["sync-warmup"]["recovered"]
+        parts.append(
+            f"{opt}: EF recovers {rec:.0%} ({word}); the synchronous start {_share(warm)} "
+            "(paper: ~20-30%)"
+        )
     return "; ".join(parts)
+
+
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
 
 
 def verdict_depth(s: dict[str, Any], noise: float) -> str:
@@ -93,10 +101,22 @@ def verdict_paci(s: dict[str, Any], noise: float) -> str:
         big_a = p["a"] >= p["stages"] - 1
         word = "within noise" if near else ("worse" if p["diff"] > 0 else "better")
         speed = p["projected_speedup"] / p["ideal_speedup"]
+        P, a = p["stages"], p["a"]
+        bound = [-(-(P - 1 - s) // a) for s in range(P)]  # ceil((P-1-s)/a)
+        within = all(c <= b for c, b in zip(p["max_crossed"], bound, strict=True))
+        same_memory = p["peak_activation_bytes"]["flush"] == p["peak_activation_bytes"]["paci"]
         parts.append(
-            f"{p['optimizer']} a={p['a']}{'' if big_a else ' (< P-1)'}: paci {word} "
+            f"{p['optimizer']} a={a}{'' if big_a else ' (< P-1)'}: paci {word} "
             f"({p['diff']:+.4f}), projected speed-up {p['projected_speedup']:.2f}x = "
-            f"{speed:.0%} of ideal"
+            f"{speed:.0%} of ideal, crossed updates {p['max_crossed']} "
+            f"{'within' if within else 'OVER'} the bound {bound}, activation memory "
+            f"{'equal to' if same_memory else 'different from'} flush"
+        )
+    m = s.get("measured")
+    if m and m.get("speedup"):
+        parts.append(
+            f"measured on 2 processes: {m['speedup']:.2f}x to target "
+            f"(ideal {m['ideal_speedup']:.2f}x)"
         )
     return "; ".join(parts)
 
