@@ -195,5 +195,14 @@ def write_report(root: Path, target: Path = Path("docs/results.md")) -> dict[str
             dest = img / f"{name}-{fig}"
             shutil.copyfile(root / name / fig, dest)
             lines += [f"![{name} {fig}](img/results/{dest.name})", ""]
+    discussion = target.parent / "results-discussion.md"
+    if discussion.exists():  # hand-written reading of these runs and the follow-ups tried
+        lines += [
+            "## Discussion",
+            "",
+            f"What the verdicts mean, what was tried where a claim did not reproduce, and the "
+            f"limits of this scale: [{discussion.name}]({discussion.name}).",
+            "",
+        ]
     target.write_text("\n".join(lines) + "\n")
     return {"report": str(target), "verdicts": verdicts}
