@@ -285,19 +285,21 @@ def test_bf16_autocast_runs_every_schedule(name: str, accum: int | None) -> None
 def test_gradient_accumulation_adopts_fresh_tensors_and_copies_shared_ones() -> None:
     from nobubble.exec.worker import accumulate_grads
 
-    params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(5)]
-    grad_out = torch.ones(2, 3)
+    params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(6)]
+    grad_out, grad_in = torch.ones(2, 3), torch.full((2, 3), 5.0)
     fresh, shared = torch.full((2, 3), 2.0), torch.full((2, 3), 3.0)
     view = torch.full((4, 3), 4.0)[:2]
-    accumulate_grads(params, (fresh, grad_out, shared, shared, view), grad_out)
+    first = (fresh, grad_out, shared, shared, view, grad_in)
+    accumulate_grads(params, first, (grad_out, grad_in))
     assert params[0].grad is fresh and params[2].grad is shared  # autograd's own: no copy
-    # the transport's buffer, a storage adopted already, a view: copied
-    for p, g in zip(params, (fresh, grad_out, shared, shared, view), strict=True):
+    # the transport's buffer, a storage adopted already, a view, the gradient sent on: copied
+    for p, g in zip(params, first, strict=True):
         assert p.grad is not None
         assert (p.grad.data_ptr() == g.data_ptr()) == (p is params[0] or p is params[2])
     grad_out.fill_(100.0)  # the transport reuses its buffer for the next receive
     view.fill_(100.0)
-    accumulate_grads(params, tuple(torch.full((2, 3), 0.5) for _ in params), None)
-    expected = [2.5, 1.5, 3.5, 3.5, 4.5]
+    accumulate_grads(params, tuple(torch.full((2, 3), 0.5) for _ in params))
+    assert torch.equal(grad_in, torch.full((2, 3), 5.0))  # what was sent on is unchanged
+    expected = [2.5, 1.5, 3.5, 3.5, 4.5, 5.5]
     for p, value in zip(params, expected, strict=True):
         assert p.grad is not None and torch.equal(p.grad, torch.full((2, 3), value)), value

@@ -45,16 +45,19 @@ class Saved:
 
 
 def accumulate_grads(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], grad_out: torch.Tensor | None
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    held: Sequence[torch.Tensor | None] = (),
 ) -> None:
     """Add one micro-batch's weight gradients ``grads`` into ``params``' ``.grad``.
 
     A parameter without ``.grad`` adopts autograd's result without a copy (as autograd's own
-    accumulation does), unless that tensor may be shared: a view, the incoming gradient
-    ``grad_out`` (a transport buffer that the next receive overwrites), or a storage already
-    adopted by another parameter; those are copied.
+    accumulation does), unless that tensor may be shared: a view, a storage of ``held`` (the
+    incoming gradient, a transport buffer the next receive overwrites; the input gradient, which
+    the transport sends or hands on), or a storage already adopted by another parameter; those
+    are copied, so a later in-place accumulation never changes a tensor someone else reads.
     """
-    taken = set() if grad_out is None else {grad_out.untyped_storage().data_ptr()}
+    taken = {t.untyped_storage().data_ptr() for t in held if t is not None}
     with torch.no_grad():
         for p, g in zip(params, grads, strict=True):
             if p.grad is not None:
@@ -177,7 +180,7 @@ class StageWorker:
         grads = torch.autograd.grad(out, targets, grad_outputs=grad_out)
         grad_in = grads[0] if wants_input else None
         params = [p for _, p in self.named]
-        accumulate_grads(params, grads[len(grads) - len(leaves) :], grad_out)
+        accumulate_grads(params, grads[len(grads) - len(leaves) :], (grad_out, grad_in))
         if self.schedule.backward_rule == "stashed":
             self.versions.consumed(version)
         self.backwards_in_batch += 1
