@@ -36,6 +36,8 @@ def mean_std(values: list[float]) -> dict[str, float]:
 
 
 def select(outcomes: dict[str, RunOutcome], **labels: Any) -> list[RunOutcome]:
+    """Runs whose labels match; runs of a side study (label ``study``) only when asked for."""
+    labels.setdefault("study", None)
     return [
         o for o in outcomes.values() if all(o.spec.labels.get(k) == v for k, v in labels.items())
     ]
@@ -152,6 +154,7 @@ def analyze_ef(
         for o in select(outcomes, optimizer=opt, correction="ef", seed=0):
             lam_rows[str(o.spec.labels["lam"])] = final_val(o) - sync
         row["lam_sweep_gap"] = dict(sorted(lam_rows.items(), key=lambda kv: float(kv[0])))
+        row["lower_lr"] = _lower_lr_study(outcomes, opt)
         rows[opt] = row
     series = []
     for opt in optimizers:
@@ -178,6 +181,24 @@ def analyze_ef(
     return {"delay": base, "optimizers": rows, "figures": ["loss_curves.png", "ef_curves.png"]}
 
 
+def _lower_lr_study(outcomes: dict[str, RunOutcome], opt: str) -> dict[str, Any] | None:
+    """Gap and EF recovery one lr step below the tuned one (seed 0), if that study ran."""
+    runs = {
+        o.spec.labels["correction"]: o for o in select(outcomes, optimizer=opt, study="lower-lr")
+    }
+    if set(runs) != {"sync", "none", "ef"}:
+        return None
+    sync = final_val(runs["sync"])
+    gap, ef_gap = final_val(runs["none"]) - sync, final_val(runs["ef"]) - sync
+    return {
+        "lr": runs["sync"].spec.overrides["lr"],
+        "sync": sync,
+        "gap": gap,
+        "ef_gap": ef_gap,
+        "recovered": (gap - ef_gap) / gap if gap > 0 else None,
+    }
+
+
 def ef_table(summary: dict[str, Any]) -> str:
     lines = [
         "| optimizer | gap 2bw | gap 2bw+EF | recovered | gap 2bw+sync-warmup | recovered |"
@@ -191,6 +212,21 @@ def ef_table(summary: dict[str, Any]) -> str:
             f"{_pct(r['ef']['recovered'])} | {r['sync-warmup']['gap']:+.4f} | "
             f"{_pct(r['sync-warmup']['recovered'])} | {lam} |"
         )
+    lower = {opt: r["lower_lr"] for opt, r in summary["optimizers"].items() if r.get("lower_lr")}
+    if lower:
+        lines += [
+            "",
+            "One lr step below the tuned one (seed 0): does the gap, and EF's share of it, "
+            "depend on the step size?",
+            "",
+            "| optimizer | lr | sync val loss | gap 2bw | gap 2bw+EF | recovered |",
+            "|---|---|---|---|---|---|",
+        ]
+        for opt, r in lower.items():
+            lines.append(
+                f"| {opt} | {r['lr']:g} | {r['sync']:.4f} | {r['gap']:+.4f} | "
+                f"{r['ef_gap']:+.4f} | {_pct(r['recovered'])} |"
+            )
     return "\n".join(lines)
 
 

@@ -186,6 +186,44 @@ def error_feedback(profile: Profile, lrs: dict[str, float], seeds: int) -> list[
                     },
                 )
             )
+    return specs + lower_lr_study(profile, lrs)
+
+
+def lower_lr_study(profile: Profile, lrs: dict[str, float]) -> list[RunSpec]:
+    """AdamW and Muon one grid step below their tuned lr: sync (the sweep's run), 2bw, 2bw+EF.
+
+    A side study of the error-feedback experiment: the delay's harm and EF's first-order
+    correction both depend on how far one update moves the weights.
+    """
+    specs = []
+    for opt in [o for o in ("adamw", "muon") if o in profile.optimizers]:
+        lower = [lr for lr in profile.lr_grid[opt] if lr < lrs[opt]]
+        if not lower:
+            continue
+        lr = max(lower)
+        labels = {"optimizer": opt, "seed": 0, "study": "lower-lr"}
+        specs.append(
+            RunSpec(
+                _sweep_key(opt, lr),
+                {"optimizer": opt, "lr": lr, "schedule": "1f1b", "stages": 1, "seed": 0},
+                {**labels, "schedule": "1f1b", "correction": "sync"},
+            )
+        )
+        for correction in ("none", "ef"):
+            specs.append(
+                RunSpec(
+                    f"2bw-{correction}-lr{lr:g}-{opt}-s0",
+                    {
+                        "optimizer": opt,
+                        "lr": lr,
+                        "schedule": "2bw",
+                        "stages": 1,
+                        "seed": 0,
+                        "correction": correction,
+                    },
+                    {**labels, "schedule": "2bw", "correction": correction},
+                )
+            )
     return specs
 
 
