@@ -295,6 +295,32 @@ def paci(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
                     {"optimizer": opt, "schedule": "paci", "a": a},
                 )
             )
+    # Side study: AdamW's paci-vs-flush difference at smaller steps (a=4), since a forward
+    # that crossed an update differs from its backward's weights by one whole update.
+    if "adamw" in profile.optimizers:
+        tuned = lrs["adamw"]
+        for lr in sorted({x for x in profile.lr_grid["adamw"] if x < tuned} | {tuned / 10}):
+            for schedule in ("1f1b", "paci"):
+                specs.append(
+                    RunSpec(
+                        f"paci-{'flush' if schedule == '1f1b' else 'paci'}-adamw-a4-lr{lr:g}",
+                        {
+                            "optimizer": "adamw",
+                            "lr": lr,
+                            "stages": 4,
+                            "clip": 0.0,
+                            "schedule": schedule,
+                            "microbatches": 4,
+                        },
+                        {
+                            "optimizer": "adamw",
+                            "schedule": schedule,
+                            "a": 4,
+                            "lr": lr,
+                            "study": "lower-lr",
+                        },
+                    )
+                )
     for schedule in ("1f1b", "paci"):  # measured wall clock: real processes, nothing beside them
         specs.append(
             RunSpec(

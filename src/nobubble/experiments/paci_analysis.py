@@ -148,7 +148,27 @@ def analyze_paci(
         out / "paci_curves.png", "1f1b flush (solid) vs paci (dashed), P=4", series, x_key="tokens"
     )
     _drift_figure(out / "paci_drift.png", pairs)
-    return {"pairs": pairs, "measured": measured, "figures": ["paci_curves.png", "paci_drift.png"]}
+    lower_lr = []
+    for flush in select(outcomes, schedule="1f1b", study="lower-lr"):
+        lr = flush.spec.labels["lr"]
+        twin = select(outcomes, schedule="paci", study="lower-lr", lr=lr)
+        if twin:
+            lower_lr.append(
+                {
+                    "optimizer": "adamw",
+                    "a": flush.spec.labels["a"],
+                    "lr": lr,
+                    "val_flush": final_val(flush),
+                    "val_paci": final_val(twin[0]),
+                    "diff": final_val(twin[0]) - final_val(flush),
+                }
+            )
+    return {
+        "pairs": pairs,
+        "lower_lr": sorted(lower_lr, key=lambda r: -r["lr"]),
+        "measured": measured,
+        "figures": ["paci_curves.png", "paci_drift.png"],
+    }
 
 
 def _measured(outcomes: dict[str, RunOutcome]) -> dict[str, Any] | None:
@@ -219,6 +239,18 @@ def paci_table(summary: dict[str, Any]) -> str:
             f"{p['steps_to_target']['paci']} | {p['projected_speedup']:.2f}x | "
             f"{p['ideal_speedup']:.2f}x | {p['max_crossed']} | {mb[0]:.1f} / {mb[1]:.1f} |"
         )
+    if summary.get("lower_lr"):
+        lines += [
+            "",
+            "Smaller steps (AdamW, a=4, seed 0): paci - flush at lower learning rates.",
+            "",
+            "| lr | flush val | paci val | paci - flush |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['lr']:g} | {r['val_flush']:.4f} | {r['val_paci']:.4f} | {r['diff']:+.4f} |"
+            for r in summary["lower_lr"]
+        ]
     m = summary.get("measured")
     if m:
         lines += [
