@@ -228,7 +228,7 @@ def lower_lr_study(profile: Profile, lrs: dict[str, float]) -> list[RunSpec]:
 
 
 def depth(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
-    """Paper A, section 6: original PipeDream (a=1) at growing P vs 2bw, with and without EF.
+    """Paper A, section 6: original PipeDream (a=1), with and without EF, at growing P vs 2bw.
 
     One update batch everywhere (m micro-batches of b sequences, m = the largest P since 2bw
     needs M >= P-1): pipedream steps after every micro-batch of m*b sequences, the others after
@@ -263,13 +263,14 @@ def depth(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
                         },
                     )
                 )
-                specs.append(
-                    RunSpec(
-                        f"depth-2bw-{corr}-{opt}-P{p}",
-                        {**common, **per, "schedule": "2bw", "stages": p, "correction": corr},
-                        {"optimizer": opt, "schedule": "2bw", "stages": p, "correction": corr},
+                if corr == "none":  # 2bw's delay is 1 at every P; its EF runs are in error-feedback
+                    specs.append(
+                        RunSpec(
+                            f"depth-2bw-{corr}-{opt}-P{p}",
+                            {**common, **per, "schedule": "2bw", "stages": p, "correction": corr},
+                            {"optimizer": opt, "schedule": "2bw", "stages": p, "correction": corr},
+                        )
                     )
-                )
     return specs
 
 
