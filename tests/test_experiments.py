@@ -56,10 +56,13 @@ def test_quick_summaries_have_the_reported_keys(root):
     for row in ef["optimizers"].values():
         assert {"gap_none", "ef", "sync-warmup", "lam_sweep_gap"} <= set(row)
     depth = json.loads((root / "depth" / "summary.json").read_text())
-    assert set(depth["gaps"]["adamw"]) == {"pipedream", "pipedream+EF", "2bw", "2bw+EF"}
+    assert set(depth["gaps"]["adamw"]) == {"pipedream", "pipedream+EF", "2bw"}
     paci = json.loads((root / "paci" / "summary.json").read_text())
     assert {p["a"] for p in paci["pairs"] if p["optimizer"] == "adamw"} == {2, 4}
     assert paci["measured"]["seconds_to_target"]["paci"] is not None
+    # the smaller-step side study: a tenth of the tuned lr (the quick grid has nothing below)
+    assert [r["lr"] for r in paci["lower_lr"]] == [pytest.approx(3e-4)]
+    assert all(math.isfinite(r["diff"]) for r in paci["lower_lr"])
 
 
 def test_finished_runs_are_reused_not_redone(root):
@@ -91,3 +94,21 @@ def test_report_collects_every_experiment(root, tmp_path):
         assert title in text
     assert "**Verdict:**" in text
     assert list((tmp_path / "img" / "results").glob("*.png"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["paci", "--depths", "2"], "--depths is an option of the depth experiment"),
+        (["depth", "--depths", "2,x"], "expected a comma list of stage counts"),
+        (["depth", "--depths", "0"], "expected a comma list of stage counts"),
+    ],
+)
+def test_bad_depths_fail_before_any_run(argv, message, tmp_path, capsys):
+    try:  # argparse exits for a malformed value; the experiment returns 2 for a misplaced one
+        code = main(["experiment", *argv, "--out", str(tmp_path / "x")])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -8,6 +8,18 @@ import json
 EXPERIMENT_NAMES = ("delay-vs-optimizer", "error-feedback", "depth", "paci", "report")
 
 
+def _depths(text: str) -> tuple[int, ...]:
+    try:
+        depths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        depths = ()
+    if not depths or any(p < 1 for p in depths):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of stage counts >= 1 such as 2,4,8, got {text!r}"
+        )
+    return depths
+
+
 def cmd_experiment(args: argparse.Namespace) -> int:
     from nobubble.experiments import run_experiment
 
@@ -19,6 +31,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         args.jobs,
         progress=not args.json,
         report_to=args.report_to,
+        depths=args.depths,
     )
     if args.json:
         print(json.dumps(summary, default=str))
@@ -66,6 +79,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, default=2, help="seeds per configuration")
     p.add_argument("--out", default=None, help="root folder (default runs/experiments[-quick])")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    p.add_argument(
+        "--depths",
+        type=_depths,
+        default=None,
+        metavar="P,P,...",
+        help="depth: pipeline depths to run (default 2,4,8; --quick 2,4)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(
         "--report-to",

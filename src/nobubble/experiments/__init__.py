@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -51,6 +52,7 @@ def run_experiment(
     jobs: int,
     progress: bool = True,
     report_to: str = "docs/results.md",
+    depths: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
@@ -62,6 +64,10 @@ def run_experiment(
 
         return write_report(root, Path(report_to))
     profile = grids.QUICK if quick else grids.FULL
+    if depths is not None:
+        if name != "depth":
+            raise ValueError(f"--depths is an option of the depth experiment, not of {name}")
+        profile = dataclasses.replace(profile, depths=depths)
     lrs = tuned_lrs(profile, root, jobs, progress)
     exp_dir = root / name
     exp_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +82,7 @@ def run_experiment(
         lrs=lrs,
         base=profile.base,
         runs=len(outcomes),
+        depths=list(profile.depths) if name == "depth" else None,
         params=_params(outcomes),
     )
     table = paci_analysis.paci_table(summary) if name == "paci" else analysis.TABLES[name](summary)

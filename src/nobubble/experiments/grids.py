@@ -63,7 +63,12 @@ FULL = Profile(
     # The measured wall-clock pair runs `mini`: at vocab 4096 its two stages balance to 0.92
     # of each other (`small` only to 0.83: layers are indivisible), so the light stage's idling
     # does not hide the bubble that paci removes; compute still dominates (demo: 1.25x).
-    extra={"depth_model": "mini", "depth_micro_batch": 2, "dist_model": "mini"},
+    extra={
+        "depth_model": "mini",
+        "depth_micro_batch": 2,
+        "depth_microbatches": 8,  # 2bw needs M >= P-1 at the largest depth, 8
+        "dist_model": "mini",
+    },
 )
 
 QUICK = Profile(
@@ -83,6 +88,7 @@ QUICK = Profile(
     lr_grid={"adamw": (3e-3,), "muon": (1e-2,), "nadam": (3e-3,), "lion": (1e-3,)},
     depths=(2, 4),
     accums=(2, 4),
+    extra={"depth_microbatches": 4},
     lambdas=(2.0,),
 )
 
@@ -235,7 +241,8 @@ def depth(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
     m micro-batches of b. Clipping is per stage for every schedule here (asynchronous schedules
     cannot clip globally), so each P has its own synchronous baseline.
     """
-    b, m = profile.extra.get("depth_micro_batch", 2), max(profile.depths)
+    # m does not follow --depths, so a run means the same whichever depths are asked for
+    b, m = profile.extra.get("depth_micro_batch", 2), profile.extra.get("depth_microbatches", 8)
     per = {"micro_batch_size": b, "microbatches": m}
     pd = {"micro_batch_size": b * m, "microbatches": 1, "accum": 1}
     specs = []

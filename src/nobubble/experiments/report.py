@@ -77,6 +77,12 @@ def verdict_ef(s: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _depths_flag(summary: dict[str, Any]) -> str:
+    depths = summary.get("depths")
+    default = [2, 4] if summary["profile"] == "quick" else [2, 4, 8]
+    return f" --depths {','.join(map(str, depths))}" if depths and depths != default else ""
+
+
 def _share(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
@@ -189,7 +195,8 @@ def write_report(root: Path, target: Path = Path("docs/results.md")) -> dict[str
         verdicts[name] = verdict(summary)
         lines += [
             f"Command: `nobubble experiment {name} --seeds {summary['seeds']}"
-            f"{' --quick' if summary['profile'] == 'quick' else ''}` "
+            f"{' --quick' if summary['profile'] == 'quick' else ''}"
+            f"{_depths_flag(summary)}` "
             f"({summary['runs']} runs; models and tokens per run: {summary['params']}; "
             f"learning rates from the synchronous sweep: {summary['lrs']}).",
             "",
