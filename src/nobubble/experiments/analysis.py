@@ -55,7 +55,7 @@ def _curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for label, colour, style, runs in series:
         points: dict[int, list[float]] = defaultdict(list)
         for run in runs:
@@ -75,7 +75,7 @@ def _curves(
     ax.set_ylabel("validation loss")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

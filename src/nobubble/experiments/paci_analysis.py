@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nobubble.experiments.analysis import COLOURS, _curves, final_val, select
+from nobubble.experiments.analysis import _curves, final_val, select
 from nobubble.experiments.runner import RunOutcome
 
 
@@ -125,7 +125,8 @@ def analyze_paci(
         )
     measured = _measured(outcomes)
     series = []
-    for pair in pairs:
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
+    for i, pair in enumerate(pairs):  # one colour per (optimizer, a); solid flush, dashed paci
         for schedule, style in (("1f1b", "-"), ("paci", "--")):
             runs = [
                 o
@@ -134,12 +135,11 @@ def analyze_paci(
                 )
                 if o.spec.labels.get("runtime") != "dist"
             ]
+            name = "flush" if schedule == "1f1b" else "paci"
             series.append(
                 (
-                    f"{pair['optimizer']} {schedule} a={pair['a']}",
-                    COLOURS[schedule if pair["optimizer"] == "adamw" else "muon"]
-                    if schedule == "paci"
-                    else COLOURS["1f1b"],
+                    f"{pair['optimizer']} a={pair['a']} {name}",
+                    palette[i % len(palette)],
                     style,
                     runs,
                 )
@@ -215,6 +215,8 @@ def _drift_figure(path: Path, pairs: list[dict[str, Any]]) -> None:
             width=width,
             label=f"{pair['optimizer']} a={pair['a']}",
         )
+    ticks = sorted({int(k) for pair in pairs for k in pair["drift_histogram"]})
+    ax.set_xticks([x + width * (len(pairs) - 1) / 2 for x in ticks], [str(x) for x in ticks])
     ax.set_xlabel("updates crossed between forward and backward")
     ax.set_ylabel("share of (stage, micro-batch)")
     ax.set_title("paci drift at P=4 (from the ledger)", fontsize=10)
