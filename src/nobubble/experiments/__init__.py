@@ -108,8 +108,13 @@ def _params(outcomes: dict[str, RunOutcome]) -> dict[str, Any]:
     for o in outcomes.values():
         cfg = json.loads((o.run_dir / "config.json").read_text())
         model = cfg["config"]["model"]
-        resolved = cfg.get("resolved", {})
-        seen.setdefault(model, {"num_params": resolved.get("num_params"), "tokens_per_run": set()})
+        params = cfg.get("resolved", {}).get("num_params")
+        if params is None:  # the multi-process runtime's config.json does not resolve it
+            from nobubble.model import model_config
+
+            c = cfg["config"]
+            params = model_config(model, c["vocab_size"], c["seq_len"]).num_params()
+        seen.setdefault(model, {"num_params": params, "tokens_per_run": set()})
         seen[model]["tokens_per_run"].add(o.summary["tokens"])
     return {
         k: {"num_params": v["num_params"], "tokens_per_run": sorted(v["tokens_per_run"])}

@@ -264,16 +264,32 @@ def analyze_depth(
     ax.set_xlabel("pipeline stages P")
     ax.set_ylabel("val loss gap to sync")
     ax.set_xscale("log", base=2)
+    depths = sorted({p for gaps_by in rows.values() for g in gaps_by.values() for p in g})
+    ax.set_xticks(depths, [str(p) for p in depths])
+    ax.minorticks_off()
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "depth_gap.png", dpi=110)
     plt.close(fig)
-    return {"gaps": rows, "figures": ["depth_gap.png"]}
+    sync_val = {
+        opt: {
+            o.spec.labels["stages"]: final_val(o)
+            for o in sorted(
+                select(outcomes, optimizer=opt, schedule="1f1b"),
+                key=lambda o: o.spec.labels["stages"],
+            )
+        }
+        for opt in rows
+    }
+    return {"gaps": rows, "sync_val": sync_val, "figures": ["depth_gap.png"]}
 
 
 def depth_table(summary: dict[str, Any]) -> str:
     lines = ["| optimizer | schedule | gap to sync by P |", "|---|---|---|"]
+    for opt, by_p in summary.get("sync_val", {}).items():
+        text = ", ".join(f"P={p}: {v:.4f}" for p, v in by_p.items())
+        lines.append(f"| {opt} | sync (1f1b) val loss, the baseline | {text} |")
     for opt, schedules in summary["gaps"].items():
         for name, gaps in schedules.items():
             text = ", ".join(f"P={p}: {g:+.4f}" for p, g in gaps.items())

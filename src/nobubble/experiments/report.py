@@ -94,16 +94,19 @@ def verdict_depth(s: dict[str, Any], noise: float) -> str:
         if len(pd) < 2 or len(tbw) < 2:
             continue
         ps = sorted(pd, key=int)
-        grows = pd[ps[-1]] - pd[ps[0]] > 2 * noise
-        flat = abs(tbw[ps[-1]] - tbw[ps[0]]) <= 2 * noise
-        word = (
-            "reproduced in direction"
-            if grows and flat
-            else ("inconclusive within noise" if not grows else "not reproduced")
-        )
+        lo, hi = ps[0], ps[-1]
+        change = pd[hi] - pd[lo]
+        flat = abs(tbw[hi] - tbw[lo]) <= 2 * noise
+        if change > 2 * noise:
+            word = "reproduced in direction" if flat else "partly: 2bw's gap moves too"
+        elif change < -2 * noise:
+            word = "not reproduced: pipedream's gap shrinks"
+        else:
+            word = "inconclusive within noise"
         parts.append(
-            f"{opt}: pipedream gap P={ps[0]}->{ps[-1]}: {pd[ps[0]]:+.4f} -> "
-            f"{pd[ps[-1]]:+.4f}, 2bw {tbw[ps[0]]:+.4f} -> {tbw[ps[-1]]:+.4f} ({word})"
+            f"{opt}: pipedream gap P={lo}->{hi}: {pd[lo]:+.4f} -> {pd[hi]:+.4f}, 2bw "
+            f"{tbw[lo]:+.4f} -> {tbw[hi]:+.4f}, pipedream - 2bw {pd[lo] - tbw[lo]:+.4f} -> "
+            f"{pd[hi] - tbw[hi]:+.4f} ({word})"
         )
     return "; ".join(parts) or "inconclusive (runs missing)"
 
