@@ -157,7 +157,6 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
             variant,
             out / "result.json",
             cfg.stages,
-            cfg.dist_timeout,
             log,
         )
     except NobubbleError as err:

@@ -57,6 +57,13 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
             p.wait()
 
 
+def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    """The environment of local rank ``rank``, as torchrun would set it, plus ``extra``."""
+    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false", **extra)
+
+
 def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
     """Run ``cfg`` on ``cfg.stages`` local processes; ``argv`` are the user's train flags."""
     from nobubble.assemble import load_data
@@ -69,10 +76,7 @@ def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
     args = [*argv, "--out", str(run_dir)] if not cfg.resume else list(argv)
     procs = []
     for rank in range(cfg.stages):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg.stages), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(cfg.stages), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false",
-                   NOBUBBLE_LAUNCHED="1")
+        env = rank_env(rank, cfg.stages, port, NOBUBBLE_LAUNCHED="1")
         command = [sys.executable, "-m", "nobubble", "train", *args, "--runtime", "dist"]
         if rank != cfg.stages - 1:
             command.append("--no-progress")

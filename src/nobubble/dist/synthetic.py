@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.dist.launch import _watch, free_port
+from nobubble.dist.launch import _watch, free_port, rank_env
 from nobubble.dist.transport import DistTransport
 from nobubble.exec import Interpreter
 from nobubble.ir import Schedule
@@ -147,15 +147,7 @@ def run_synthetic(
             command += ["--accum", str(accum)]
         procs = []
         for rank in range(stages):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE=str(stages),
-                LOCAL_RANK=str(rank),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-            )
-            procs.append(subprocess.Popen(command, env=env))
+            procs.append(subprocess.Popen(command, env=rank_env(rank, stages, port)))
         failed = _watch(procs)
         if failed:
             raise RuntimeError(

@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from nobubble.assemble import load_data, make_plan, make_stages
 from nobubble.config import TrainConfig
 from nobubble.data import TokenData
-from nobubble.dist.launch import free_port
+from nobubble.dist.launch import _watch, free_port, rank_env
 from nobubble.errors import NobubbleError
 from nobubble.model import StageModule
 from nobubble.model.gpt import lm_loss, run_layers
@@ -269,44 +269,20 @@ def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
         dist.destroy_process_group()
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], grace: float) -> tuple[int, int] | None:
-    """Wait for every rank; after the first failure the others get ``grace`` seconds to notice
-    (closed connections, or the process group's timeout) before they are killed."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
-        if failed is not None or all(c == 0 for c in codes):
-            break
-        time.sleep(0.1)
-    deadline = time.monotonic() + grace
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return failed
-
-
 def launch_peer(
-    train_argv: list[str], schedule: str, result: Path, stages: int, timeout: float, log: Path
+    train_argv: list[str], schedule: str, result: Path, stages: int, log: Path
 ) -> dict[str, Any]:
     """Run the peer on ``stages`` local processes, output appended to ``log``; its result.
 
     As ``nobubble train --runtime dist`` does: a free port, one process per rank, and when one
-    fails the others are stopped within ``timeout`` seconds.
+    fails the others are stopped (``launch._watch``).
     """
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with log.open("ab") as sink:
             for rank in range(stages):
-                env = dict(
-                    os.environ,
-                    RANK=str(rank),
-                    WORLD_SIZE=str(stages),
-                    LOCAL_RANK=str(rank),
-                    LOCAL_WORLD_SIZE=str(stages),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    TOKENIZERS_PARALLELISM="false",
-                )
+                env = rank_env(rank, stages, port)
                 command = [
                     sys.executable,
                     "-m",
@@ -318,14 +294,14 @@ def launch_peer(
                     *train_argv,
                 ]
                 procs.append(subprocess.Popen(command, env=env, stdout=sink, stderr=sink))
-            failed = _wait(procs, timeout)
+            failed = _watch(procs)
     finally:  # also on an interrupt: no rank outlives the launcher
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if failed is not None:
-        rank, code = failed
+    if failed:
+        rank, code = failed[0]
         raise NobubbleError(
             f"{schedule}: rank {rank} exited with status {code}; the other ranks were stopped. "
             f"Its output is in {log}"
