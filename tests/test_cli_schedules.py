@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from nobubble.cli import main
-from nobubble.schedules import SCHEDULE_NAMES
+from nobubble.ir import ScheduleError
+from nobubble.schedules import SCHEDULE_NAMES, build_schedule
+from nobubble.schedules.bounds import MAX_ACTIONS, num_actions
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -146,6 +149,24 @@ def test_bad_input_fails_cleanly(capsys, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+def test_a_schedule_too_large_to_build_is_refused_at_once(capsys):
+    start = time.monotonic()
+    argv = ["ledger", "--schedule", "2bw", "--stages", "100000", "--microbatches", "100000"]
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert "would hold 80,000,400,000 actions (P x steps x (2M + 1))" in err
+    assert f"more than the {MAX_ACTIONS:,}" in err
+    assert "lower --stages, --microbatches (--accum for pipedream and paci) or --steps" in err
+    assert "Traceback" not in err and out == ""
+    assert time.monotonic() - start < 5  # refused before a single action is generated
+
+
+def test_the_size_limit_admits_bench_sims_default():
+    assert num_actions(64, 256, 100) <= MAX_ACTIONS  # `nobubble bench sim` with its defaults
+    with pytest.raises(ScheduleError, match="lower --stages"):
+        build_schedule("paci", 64, 256, MAX_ACTIONS // (64 * 513) + 1)
 
 
 @pytest.mark.parametrize(

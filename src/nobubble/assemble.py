@@ -67,6 +67,7 @@ def make_schedule(cfg: TrainConfig) -> Schedule:
         cfg.accum,
         drain_every=drain,
         sync_warmup=cfg.sync_warmup_steps,
+        max_actions=None,
     )
     validate(schedule)
     return schedule
@@ -80,7 +81,26 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
 
 
 def load_data(cfg: TrainConfig) -> TokenData:
-    return prepare_data(cfg.data_config())
+    data = prepare_data(cfg.data_config())
+    check_val_split(cfg, data)
+    return data
+
+
+def check_val_split(cfg: TrainConfig, data: TokenData) -> None:
+    """Refuse data whose validation split holds less than one micro-batch of windows now,
+    before training, rather than at the first evaluation."""
+    windows, batch = data.num_val_windows, cfg.micro_batch_size
+    if windows >= batch:
+        return
+    longest = (data.num_val_tokens - 1) // batch  # the most tokens per window that fit B windows
+    fixes = [f"--seq-len {longest} or less"] if longest >= 1 else []
+    fixes += [f"--micro-batch-size {windows} or less"] if windows >= 1 else []
+    raise ValueError(
+        f"--seq-len {cfg.seq_len} cuts the {data.num_val_tokens:,} validation tokens of "
+        f"--data {cfg.data} into {windows} windows of seq-len + 1 tokens, fewer than one "
+        f"micro-batch of --micro-batch-size {batch} for evaluation: use "
+        + ", or ".join([*fixes, "more text"])
+    )
 
 
 def make_stages(plan: Plan) -> list[StageModule]:

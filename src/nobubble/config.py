@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -17,14 +19,25 @@ from typing import Any
 import tomllib
 
 from nobubble.data import DataConfig
-from nobubble.model import MODEL_PRESETS
+from nobubble.model import MODEL_PRESETS, model_config
+from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
 from nobubble.optim import OPTIMIZERS, OptimConfig
 from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, resolve_microbatches
+from nobubble.util import physical_memory_bytes
 
 CORRECTIONS = ("none", "ef", "sync-warmup")
 DTYPES = ("fp32", "bf16")
 CLIP_SCOPES = ("auto", "stage", "global")
 RUNTIMES = ("emulate", "dist")
+GPT2_VOCAB_SIZE = 50257  # --tokenizer gpt2 fixes the vocabulary, whatever --vocab-size says
+# Share of the machine's memory a run may plan to fill; the rest is for the OS, other programs and
+# what the estimate leaves out (the allocator's slack, transient copies while the model is built).
+MEMORY_SHARE = 0.8
+# One Python process with torch imported and the tokens loaded: 0.2 GiB right after `import
+# torch`; the estimate plus this matched the peak RSS of short runs of tiny, small and medium.
+PROCESS_BYTES = 2**29
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
 # Fields that change the numbers of a run; a checkpoint only resumes a run that agrees on them.
 RUNTIME_ONLY = (
     "out",
@@ -35,6 +48,10 @@ RUNTIME_ONLY = (
     "dist_timeout",
     "threads",
     "stop_at",
+    "master_port",
+    "device",
+    "backend",
+    "strict_p2p",
 )
 
 
@@ -59,6 +76,10 @@ class TrainConfig:
     dist_timeout: seconds a rank waits for a peer before it gives up: a hung rank is caught
         that way, and every process is gone within it + 6 s. master_port: rendezvous port
         (0: a free one).
+    device: auto (cuda when available, else cpu) | cpu | cuda: where each rank's stage runs.
+    backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl.
+    strict_p2p: run point-to-point under NCCL's completion rules on any backend (one stream per
+        rank; a testing aid that makes an order NCCL would deadlock on hang on gloo too).
     """
 
     schedule: str = "paci"
@@ -98,6 +119,9 @@ class TrainConfig:
     threads: int = 0
     stop_at: int = 0
     master_port: int = 0
+    device: str = "auto"
+    backend: str = "auto"
+    strict_p2p: bool = False
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -106,6 +130,8 @@ class TrainConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("clip-scope", self.clip_scope, CLIP_SCOPES)
         _choice("runtime", self.runtime, RUNTIMES)
+        _choice("device", self.device, DEVICES)
+        _choice("backend", self.backend, BACKENDS)
         _choice("model", self.model, tuple(MODEL_PRESETS))
         for name in (
             "stages",
@@ -130,9 +156,11 @@ class TrainConfig:
             _positive("accum", self.accum)
         for name in ("clip", "ef_lambda", "dist_timeout"):
             _finite_nonnegative(name, getattr(self, name))
+        _check_port(self.master_port)
         self._check_combinations()
         self.optim_config()  # validates lr, weight decay, warmup, ...
         self.data_config()
+        self._check_memory()
 
     def _check_combinations(self) -> None:
         info = SCHEDULES[self.schedule]
@@ -177,7 +205,79 @@ class TrainConfig:
         if self.sync_warmup >= self.steps:
             raise ValueError(f"--sync-warmup {self.sync_warmup} must be below --steps {self.steps}")
 
+    def _check_memory(self) -> None:
+        """Refuse a run whose estimated peak memory exceeds MEMORY_SHARE of this machine's."""
+        total = physical_memory_bytes()
+        if total is None or not self._in_host_memory():
+            return
+        available = MEMORY_SHARE * total
+        need = self.memory_bytes()
+        if need <= available:
+            return
+        seq_len = _largest(lambda t: self.memory_bytes(seq_len=t) <= available, self.seq_len - 1)
+        batch = _largest(
+            lambda b: self.memory_bytes(micro_batch_size=b) <= available, self.micro_batch_size - 1
+        )
+        fixes = [f"--seq-len {seq_len} or less"] if seq_len else []
+        fixes += [f"--micro-batch-size {batch} or less"] if batch else []
+        inflight = max(load.inflight for load in self.stage_loads())
+        raise ValueError(
+            f"--seq-len {self.seq_len} with --micro-batch-size {self.micro_batch_size} needs "
+            f"about {_gib(need)} of memory on this machine (model {self.model}, {self.stages} "
+            f"stages, up to {inflight} micro-batches in flight on a stage: saved activations, "
+            f"weights, gradients and optimizer state), more than the {_gib(available)} available "
+            f"({MEMORY_SHARE:.0%} of {_gib(total)}): use "
+            + (", or ".join(fixes) or "a smaller --model (the weights and state alone do not fit)")
+        )
+
+    def _in_host_memory(self) -> bool:
+        """The emulator and CPU ranks keep everything in this machine's memory. CUDA ranks are
+        not checked: asking a GPU for its memory would initialize CUDA in this process."""
+        if self.runtime == "emulate" or self.device == "cpu":
+            return True
+        if self.device == "cuda":
+            return False
+        import torch
+
+        return not torch.cuda.is_available()
+
     # ----- derived ---------------------------------------------------------------------------
+    @property
+    def model_vocab_size(self) -> int:
+        """The model's vocabulary as far as the flags tell (a trained BPE may hold fewer)."""
+        return GPT2_VOCAB_SIZE if self.tokenizer == "gpt2" else self.vocab_size
+
+    def stage_loads(self, seq_len: int | None = None) -> list[StageLoad]:
+        """Layers, parameters, micro-batches in flight and weight versions of each stage."""
+        seq_len = seq_len or self.seq_len
+        model = model_config(self.model, self.model_vocab_size, seq_len)
+        return stage_loads(
+            model, self.schedule, self.stages, self.num_microbatches, self.steps, seq_len
+        )
+
+    def memory_bytes(self, seq_len: int | None = None, micro_batch_size: int | None = None) -> int:
+        """Estimated peak bytes of the stages that share one machine (model/memory.py)."""
+        seq_len = seq_len or self.seq_len
+        batch = micro_batch_size or self.micro_batch_size
+        model = model_config(self.model, self.model_vocab_size, seq_len)
+        per_stage = [
+            stage_bytes(model, load, batch, seq_len, self.dtype, self.paci_recompute)
+            for load in self.stage_loads(seq_len)
+        ]
+        if self.runtime == "emulate":  # one process; evaluation merges the stages into a model
+            return sum(per_stage) + PROCESS_BYTES + FP32 * model.num_params()
+        machine = self.stages_per_machine
+        return machine_bytes(per_stage, machine) + PROCESS_BYTES * machine
+
+    @property
+    def stages_per_machine(self) -> int:
+        """All stages share the emulator's process and the launcher's machine; under torchrun
+        LOCAL_WORLD_SIZE ranks do."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if self.runtime == "dist" and local.isdigit():
+            return max(1, min(int(local), self.stages))
+        return self.stages
+
     @property
     def num_microbatches(self) -> int:
         """M per optimizer step as the schedule reads it (``a`` for pipedream and paci)."""
@@ -260,6 +360,31 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(path)!r} must hold an object of flag values")
         return data
+
+
+def _check_port(port: object) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(
+            f"--master-port {port!r} is not a TCP port: use 1..65535, or 0 to let nobubble "
+            "pick a free one"
+        )
+
+
+def _largest(fits: Callable[[int], bool], upper: int) -> int:
+    """Largest v in 1..upper with fits(v), by bisection (fits holds up to some v, then not);
+    0 if none does."""
+    low, high = 0, upper
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
 
 
 def _choice(flag: str, value: object, allowed: tuple[str, ...]) -> None:

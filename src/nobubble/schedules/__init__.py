@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from nobubble.ir import Schedule, ScheduleError
 from nobubble.schedules import gpipe, one_f_one_b, paci, pipedream, two_bw
+from nobubble.schedules.bounds import MAX_ACTIONS, check_size
 from nobubble.util import paused_gc
 
 Generator = Callable[..., Schedule]
@@ -80,11 +81,15 @@ def build_schedule(
     accum: int | None = None,
     drain_every: int | None = None,
     sync_warmup: int = 0,
+    max_actions: int | None = MAX_ACTIONS,
 ) -> Schedule:
     """Generate schedule ``name`` for P stages, M micro-batches per step and N steps.
 
     ``sync_warmup`` (asynchronous schedules only) runs the first steps flushed, as 1f1b does,
     before switching to the schedule's own order and weight rules (arXiv 2606.30634, sec. 5).
+    Sizes above ``max_actions`` actions are refused before any is generated (the schedule
+    commands keep the default, which they print in seconds; training passes None: a long run
+    builds its whole schedule up front, which costs time and memory but is not refused).
     """
     info = schedule_info(name)
     _check_positive("the number of stages P", "--stages", num_stages)
@@ -95,6 +100,8 @@ def build_schedule(
     if not isinstance(sync_warmup, int) or sync_warmup < 0:
         raise ScheduleError(f"sync warm-up must be an integer >= 0 steps, got {sync_warmup!r}")
     m = resolve_microbatches(name, num_microbatches, accum)
+    if max_actions is not None:
+        check_size(name, num_stages, m, num_steps, max_actions)
     with paused_gc():
         if sync_warmup:
             if info.synchronous:

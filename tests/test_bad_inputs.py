@@ -1,0 +1,80 @@
+"""`nobubble train` refuses inputs it cannot run, in one line and before any work or write."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+import nobubble.config
+from nobubble.cli import main
+from nobubble.config import TrainConfig
+from nobubble.data import fetch_shakespeare
+
+GiB = 2**30
+
+
+@pytest.fixture
+def laptop(monkeypatch):
+    """A 24 GiB machine, whatever this one holds, so refusals do not depend on the host."""
+    monkeypatch.setattr(nobubble.config, "physical_memory_bytes", lambda: 24 * GiB)
+
+
+def train(capsys, *flags: str) -> tuple[int, str, float]:
+    start = time.monotonic()
+    code = main(["train", *flags])
+    return code, capsys.readouterr().err, time.monotonic() - start
+
+
+def test_a_sequence_that_cannot_fit_in_memory_is_refused_at_once(capsys, tmp_path, laptop):
+    out = tmp_path / "never"
+    code, err, seconds = train(capsys, "--seq-len", "100000", "--steps", "1", "--out", str(out))
+    assert code == 2
+    assert "--seq-len 100000 with --micro-batch-size 8 needs about" in err
+    assert "19.2 GiB available (80% of 24.0 GiB)" in err
+    assert "Traceback" not in err
+    assert seconds < 20  # importing torch and checking the config; nothing is built
+    assert not out.exists()
+    longest = int(re.search(r"use --seq-len (\d+) or less", err).group(1))
+    smaller = int(re.search(r"--micro-batch-size (\d+) or less", err).group(1))
+    TrainConfig(seq_len=longest)  # what the message offers does fit
+    TrainConfig(seq_len=100000, micro_batch_size=smaller)
+
+
+def test_the_configs_of_the_tests_and_benchmarks_fit_a_small_machine(monkeypatch):
+    monkeypatch.setattr(nobubble.config, "physical_memory_bytes", lambda: 8 * GiB)
+    TrainConfig()
+    TrainConfig(model="medium", vocab_size=2048, micro_batch_size=4, seq_len=128)
+    TrainConfig(model="small", stages=2, microbatches=4, micro_batch_size=8, seq_len=128)
+    TrainConfig(model="mini", schedule="pipedream", stages=8, accum=1, micro_batch_size=16)
+
+
+def test_the_weights_alone_can_be_too_large(laptop):
+    with pytest.raises(ValueError, match="use a smaller --model"):
+        TrainConfig(model="1b", tokenizer="gpt2", seq_len=1)
+
+
+def test_a_port_out_of_range_is_refused_without_a_traceback(capsys, tmp_path):
+    out = tmp_path / "never"
+    argv = ["--stages", "3", "--runtime", "dist", "--master-port", "99999", "--out", str(out)]
+    code, err, _ = train(capsys, *argv)
+    assert code == 2
+    assert (
+        "--master-port 99999 is not a TCP port: use 1..65535, or 0 to let nobubble pick a free one"
+        in err
+    )
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_validation_split_shorter_than_a_micro_batch_is_refused(capsys, tmp_path):
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text(fetch_shakespeare().read_text()[:200_000])
+    out = tmp_path / "never"
+    flags = ["--data", str(corpus), "--vocab-size", "512", "--micro-batch-size", "4"]
+    code, err, _ = train(capsys, *flags, "--seq-len", "2048", "--out", str(out))
+    assert code == 2
+    assert "--seq-len 2048 cuts the" in err
+    assert "fewer than one micro-batch of --micro-batch-size 4 for evaluation" in err
+    assert not out.exists()
