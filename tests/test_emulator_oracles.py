@@ -99,8 +99,7 @@ def emulate(
     transport = InProcessTransport(num_stages)
     interpreters = [Interpreter(w, transport, num_stages, global_clip) for w in workers]
     Emulator(schedule, interpreters, transport).run(num_steps)
-    last = workers[-1].losses
-    losses = [last[m] for m in range(schedule.total_microbatches)]
+    losses = workers[-1].pop_losses(range(schedule.total_microbatches))
     params = {n: p.detach().clone() for s in stages for n, p in s.named_parameters()}
     return EmuRun(schedule, ledger, workers, losses, params)
 

@@ -114,7 +114,10 @@ def check_fingerprint(manifest: dict[str, Any], fingerprint: dict[str, Any], whe
         )
 
 
-def load_part(run_dir: Path, manifest: dict[str, Any], stage: int) -> dict[str, Any]:
+def load_part(
+    run_dir: Path, manifest: dict[str, Any], stage: int, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Stage ``stage``'s part, checked against the manifest, with its tensors on ``device``."""
     name = f"stage{stage}.pt"
     path = checkpoint_dir(run_dir) / name
     if not path.is_file() or _sha256(path) != manifest["files"].get(name):
@@ -123,7 +126,7 @@ def load_part(run_dir: Path, manifest: dict[str, Any], stage: int) -> dict[str, 
             "mismatch); resume from an intact checkpoint or start over"
         )
     try:
-        part: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        part: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
     except Exception as err:  # any unpickling failure means the same thing to the user
         raise CheckpointError(f"checkpoint part {str(path)!r} cannot be read: {err}") from None
     return part

@@ -186,7 +186,7 @@ class Trainer:
         del self.stages_done[step]
         m_per_step = self.plan.schedule.num_microbatches
         last = self.workers[-1]
-        losses = [last.losses.pop(m) for m in range((step - 1) * m_per_step, step * m_per_step)]
+        losses = last.pop_losses(range((step - 1) * m_per_step, step * m_per_step))
         record = {
             "step": step,
             "loss": sum(losses) / len(losses),

@@ -30,6 +30,9 @@ HELP = {
     "stop_at": "stop after the checkpoint of this step (resume later with --resume)",
     "dist_timeout": "seconds to wait for a peer rank before failing",
     "master_port": "rendezvous port of --runtime dist (0: pick a free one)",
+    "device": "auto (cuda when available) | cpu | cuda: where --runtime dist runs each stage",
+    "backend": "auto (nccl on cuda, gloo on cpu) | gloo | nccl",
+    "strict_p2p": "enforce NCCL's point-to-point rules on any backend (testing aid)",
 }
 
 

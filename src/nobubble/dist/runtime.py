@@ -9,6 +9,7 @@ loss), and checkpoints (each rank writes its part; the manifest is written once 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -33,8 +34,10 @@ from nobubble.checkpoint import (
     staging_dir,
 )
 from nobubble.config import TrainConfig
-from nobubble.dist.transport import EVAL_TAG_BASE, DistTransport
-from nobubble.exec import Interpreter
+from nobubble.comm import check_communication
+from nobubble.dist.clock import CudaClock, HostClock
+from nobubble.dist.transport import EVAL_TAG_BASE, DistTransport, StrictTransport
+from nobubble.exec import Interpreter, misplaced
 from nobubble.ir import STEP, Action
 from nobubble.metrics import MetricsWriter, truncate_metrics
 from nobubble.sim.metrics import measured_utilization
@@ -70,15 +73,17 @@ def _config_hash(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(cfg.fingerprint(), sort_keys=True).encode()).hexdigest()
 
 
-def _check_same_config(cfg: TrainConfig, world_size: int) -> None:
+def _check_same_config(
+    cfg: TrainConfig, world_size: int, group: dist.ProcessGroup | None
+) -> None:
     """Every rank must run the same numbers: compare hashes, then name what differs."""
     hashes: list[Any] = [None] * world_size
-    dist.all_gather_object(hashes, _config_hash(cfg))
+    dist.all_gather_object(hashes, _config_hash(cfg), group=group)
     differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
     if not differ:
         return
     reference: list[Any] = [cfg.fingerprint()]
-    dist.broadcast_object_list(reference, src=0)
+    dist.broadcast_object_list(reference, src=0, group=group)
     fields = sorted(k for k, v in cfg.fingerprint().items() if reference[0].get(k) != v)
     mine = ", ".join(f"{k}={getattr(cfg, k)!r} (rank 0: {reference[0].get(k)!r})"
                      for k in fields)
@@ -88,14 +93,14 @@ def _check_same_config(cfg: TrainConfig, world_size: int) -> None:
 
 
 class RankRun:
-    def __init__(self, cfg: TrainConfig, env: RankEnv) -> None:
-        self.cfg, self.env = cfg, env
+    def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
+        self.cfg, self.env, self.device = cfg, env, device
         self.rank, self.last = env.rank, env.world_size - 1
-        self.device = (torch.device("cuda", env.local_rank) if torch.cuda.is_available()
-                       else torch.device("cpu"))
-        _check_same_config(cfg, env.world_size)
+        # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
+        self.objects = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        _check_same_config(cfg, env.world_size, self.objects)
         run_dir: list[Any] = [str(resolve_run_dir(cfg)) if self.rank == 0 else None]
-        dist.broadcast_object_list(run_dir, src=0)  # one directory, however each rank named it
+        dist.broadcast_object_list(run_dir, src=0, group=self.objects)  # one directory for all
         self.run_dir = Path(run_dir[0])
         self.start_step, manifest = 0, None
         if cfg.resume:
@@ -103,23 +108,33 @@ class RankRun:
             check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
             self.start_step = manifest["step"]
         if self.rank != 0:
-            dist.barrier()  # rank 0 fills the data cache first (tokenizer training, encoding)
+            self._barrier()  # rank 0 fills the data cache first (tokenizer training, encoding)
         self.data = load_data(cfg)
         if self.rank == 0:
-            dist.barrier()
+            self._barrier()
         self.plan = make_plan(cfg, self.data.vocab_size)
         module = make_stages(self.plan)[self.rank].to(self.device)
         self.worker = make_worker(self.plan, module, self.data)
         if manifest is not None:
-            self.worker.load_state_dict(load_part(self.run_dir, manifest, self.rank))
-        shape = (cfg.micro_batch_size, cfg.seq_len, self.plan.model_cfg.dim)
-        self.transport = DistTransport(shape, torch.float32, self.device, dist.new_group())
-        # wall-clock spans: comparable across the processes of one machine
-        self.interpreter = Interpreter(self.worker, self.transport, cfg.stages, cfg.global_clip,
-                                       clock=time.time)
+            self.worker.load_state_dict(load_part(self.run_dir, manifest, self.rank, self.device))
+            wrong = misplaced(self.worker.state_dict(), self.device)
+            assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
         self.order = self.plan.schedule.ranks[self.rank]
         self.position = 0 if not self.start_step else 1 + next(
             i for i, a in enumerate(self.order) if a.kind == STEP and a.number == self.start_step)
+        # What this rank posts, checked first to complete under NCCL's rules on every rank.
+        batches = check_communication(
+            self.plan.schedule, cfg.global_clip, self.plan.drain_points
+        )[self.rank]
+        shape = (cfg.micro_batch_size, cfg.seq_len, self.plan.model_cfg.dim)
+        kind = StrictTransport if cfg.strict_p2p else DistTransport
+        self.transport = kind(batches, shape, torch.float32, self.device, cfg.stages,
+                              start_position=self.position, timeout_s=cfg.dist_timeout)
+        # spans from CUDA events on a GPU (the host clock would time the kernel launches), else
+        # the wall clock, comparable across the processes of one machine
+        self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
+        self.interpreter = Interpreter(self.worker, self.transport, cfg.stages, cfg.global_clip,
+                                       clock=self.clock)
         self.step_times: dict[int, float] = {}
         self.records: list[dict[str, Any]] = []
         self.segment_start = 0  # spans since the last drain point
@@ -137,7 +152,7 @@ class RankRun:
                    f"(dist, {self.env.world_size} ranks)", unit="step", disable=not show,
                    leave=False)
         start_time: list[Any] = [time.time()]
-        dist.broadcast_object_list(start_time, src=0)
+        dist.broadcast_object_list(start_time, src=0, group=self.objects)
         self.t0 = float(start_time[0]) - self._resumed_elapsed()
         stop = self.cfg.stop_at or self.cfg.steps
         try:
@@ -154,8 +169,7 @@ class RankRun:
         while self.position < len(self.order):
             action = self.order[self.position]
             self.current = action
-            upcoming = self.order[self.position + 1] if self.position + 1 < len(self.order) else None
-            self.interpreter.execute(action, upcoming)
+            self.interpreter.execute(action)
             self.position += 1
             if action.kind == STEP:
                 self.step_times[action.number] = time.time()
@@ -163,6 +177,10 @@ class RankRun:
                 if action.number == step:
                     break
         self.transport.flush()
+        self.clock.settle(self.interpreter)  # a GPU's spans become seconds here
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.objects)
 
     # ----- drain points --------------------------------------------------------------------------
     @torch.no_grad()
@@ -179,13 +197,17 @@ class RankRun:
             if self.rank > 0:
                 h = torch.empty(shape, dtype=torch.float32, device=self.device)
                 dist.recv(h, self.rank - 1, tag=tag)
-            out = module(h, y.to(self.device)) if self.rank == self.last else module(h)
+            with self.worker.autocast():  # as the emulator's evaluation
+                out = module(h, y.to(self.device)) if self.rank == self.last else module(h)
             if self.rank < P - 1:
                 dist.send(out.float().contiguous(), self.rank + 1, tag=tag)
             else:
-                losses.append(float(out))
+                losses.append(out.detach().float())
         module.train()
-        return sum(losses) / len(losses) if losses else None
+        if not losses:
+            return None
+        values = torch.stack(losses).cpu().tolist()  # one host sync; the mean as the emulator's
+        return sum(values) / len(values)
 
     def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
         P = self.env.world_size
@@ -199,7 +221,7 @@ class RankRun:
         gathered: list[Any] = [None] * self.env.world_size
         others = [r for r in range(P) if r != self.rank]
         self.meeting = f"gathering the metrics of step {step}", others
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.objects)
         if self.rank == self.last:
             self._write_records(step, gathered, val_loss, writer)
         self.worker.grad_norms, self.step_times = {}, {}
@@ -207,11 +229,11 @@ class RankRun:
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
             save_part(staging_dir(self.run_dir, step), self.rank, self.worker.state_dict())
-            dist.barrier()  # every part is on disk before the manifest marks it complete
+            self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
                 finalize(self.run_dir, step, self.cfg.stages, self.cfg.fingerprint(),
                          {"elapsed_s": self.records[-1]["elapsed_s"]})
-            dist.barrier()
+            self._barrier()
             self.last_checkpoint = step
         self.meeting = None
 
@@ -220,7 +242,7 @@ class RankRun:
         m = self.plan.schedule.num_microbatches
         done = sorted(gathered[self.last]["times"])
         for j in done:
-            losses = [self.worker.losses.pop(i) for i in range((j - 1) * m, j * m)]
+            losses = self.worker.pop_losses(range((j - 1) * m, j * m))
             record = {"step": j, "loss": sum(losses) / len(losses),
                       "lr": self.worker.lr_fn(j - 1), "tokens": j * self.cfg.tokens_per_step,
                       "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
@@ -237,20 +259,21 @@ class RankRun:
     # ----- run directory -------------------------------------------------------------------------
     def _open_run_dir(self) -> MetricsWriter | None:
         if self.rank != self.last:
-            dist.barrier()
+            self._barrier()
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.cfg.resume:
             payload = {"config": self.cfg.to_json(), "provenance": provenance(),
                        "resolved": {"world_size": self.env.world_size,
                                     "backend": dist.get_backend(),
+                                    "device": str(self.device),
                                     "tokens_per_step": self.cfg.tokens_per_step,
                                     "drain_points": self.plan.drain_points}}
             (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
         else:
             truncate_metrics(self.run_dir, self.start_step)
         writer = MetricsWriter(self.run_dir)
-        dist.barrier()
+        self._barrier()
         return writer
 
     def _resumed_elapsed(self) -> float:
@@ -266,7 +289,7 @@ class RankRun:
                 "state": ({k: v.cpu() for k, v in w.module.state_dict().items()}
                           if self.cfg.sample_tokens else {})}
         gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.objects)
         if self.rank != self.last:
             return None
         return write_outputs(self, gathered)
@@ -315,6 +338,31 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
     return RunResult(run.run_dir, run.records, summary)
 
 
+def resolve_device(cfg: TrainConfig, local_rank: int, local_world_size: int
+                   ) -> tuple[torch.device, str]:
+    """This rank's device and the process group's backend, or a ValueError naming the fix."""
+    cuda = torch.cuda.is_available()
+    kind = cfg.device if cfg.device != "auto" else ("cuda" if cuda else "cpu")
+    if kind == "cuda" and not cuda:
+        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no GPU: install a "
+                         "CUDA build of torch on a machine with GPUs, or use --device cpu")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
+    if backend == "nccl" and kind != "cuda":
+        raise ValueError("--backend nccl moves GPU tensors only: use --device cuda, or "
+                         "--backend gloo on CPUs")
+    if backend == "gloo" and kind == "cuda":
+        raise ValueError("--backend gloo with --device cuda is not supported (gloo sends CPU "
+                         "tensors): use --backend nccl, or --device cpu")
+    if kind == "cpu":
+        return torch.device("cpu"), backend
+    count = torch.cuda.device_count()
+    if local_world_size > count:
+        raise ValueError(f"{local_world_size} ranks on this machine need {local_world_size} "
+                         f"GPUs, but {count} are visible: use --stages {count} (or fewer), "
+                         "more machines, or --device cpu")
+    return torch.device("cuda", local_rank), backend
+
+
 def run_rank(cfg: TrainConfig) -> RunResult | None:
     """Entry point of one process (torchrun or ``nobubble train --runtime dist``)."""
     env = RankEnv.from_environ()
@@ -322,20 +370,35 @@ def run_rank(cfg: TrainConfig) -> RunResult | None:
         raise ValueError(f"world size {env.world_size} does not match --stages {cfg.stages}: "
                          f"launch {cfg.stages} processes (torchrun --nproc-per-node "
                          f"{cfg.stages}) or set --stages {env.world_size}")
+    device, backend = resolve_device(cfg, env.local_rank, env.local_world_size)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = cfg.dist_timeout
     if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout))
+        torch.cuda.set_device(device)
+        # our host-side waits give up after --dist-timeout and name the peer; NCCL's watchdog,
+        # which aborts the process without saying why, must not fire first
+        timeout += 60
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     run: RankRun | None = None
     try:
-        run = RankRun(cfg, env)
+        run = RankRun(cfg, env, device)
         result = run.run()
     except Exception as err:  # any failure: name the rank, the action, the resume point
         _fail(env, cfg, run, err)
-    dist.destroy_process_group()
+    _shutdown(run)
     return result
+
+
+def _shutdown(run: RankRun | None) -> None:
+    """Leave no communication state for the interpreter's exit to tear down: stop the strict
+    stream, drop every tensor the backend may still reference, destroy the process groups, and
+    collect the cycles that hold them, all while this thread still runs Python normally."""
+    if run is not None and isinstance(run.transport, StrictTransport):
+        run.transport.close()
+    del run
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:

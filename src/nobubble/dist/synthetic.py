@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nobubble.comm import check_communication
 from nobubble.dist.launch import _watch, free_port, rank_env
 from nobubble.dist.transport import DistTransport
 from nobubble.exec import Interpreter
@@ -93,7 +94,8 @@ def rank_main(args: argparse.Namespace) -> None:
     validate(schedule)
     latency = _hop_latency(rank) if world > 1 else 0.0
     worker = WaitWorker(schedule, rank, args.fwd, args.bwd)
-    transport = DistTransport(TOKEN, torch.float32, torch.device("cpu"))
+    batches = check_communication(schedule)[rank]
+    transport = DistTransport(batches, TOKEN, torch.float32, torch.device("cpu"), world)
     interp = Interpreter(worker, transport, world, clock=time.time)  # type: ignore[arg-type]
     dist.barrier()
     for action in schedule.ranks[rank]:

@@ -1,76 +1,234 @@
-"""Point-to-point transport on torch.distributed, the multi-process twin of InProcessTransport.
+"""Point-to-point transport on torch.distributed: it posts what ``comm.rank_batches`` plans.
 
-Activations and gradients between neighbouring stages have one shape per run, agreed before
-training (``(B, T, D)``), so a receive allocates its buffer without a shape exchange. Sends are
-asynchronous (``batch_isend_irecv``); their handles are kept until completed so the tensors stay
-alive. The receive of the next action is posted before the current one computes
-(``prefetch``). Receives block, with the process group's timeout, so a dead or hung peer turns
-into an error on this rank instead of a hang. Tags carry (kind, micro-batch): messages never mix.
+The plan is checked (``comm.check_communication``) to complete under NCCL's rules before a run
+starts; this transport then posts exactly those batches, in that order, on every backend:
+before action i, one ``batch_isend_irecv`` with the send of action i-1's output and the receive
+of action i's input (the Megatron ``send_forward_recv_backward`` pattern). A send handed over by
+the interpreter waits for the next batch; a receive is posted only by the action that consumes
+it, so nothing is pending at a collective or a drain point. Tags are 0 everywhere, as NCCL
+ignores them: messages between two ranks match in posting order, which the plan fixes.
+
+Activations and gradients have one shape per run, agreed before training (``(B, T, D)``), so a
+receive allocates its buffer without a shape exchange. Waits are bounded by ``timeout_s``: a dead
+or hung peer becomes an error naming the peer and the message, on NCCL too (whose own watchdog
+would abort the process without saying why).
+
+``StrictTransport`` runs the same plan with NCCL's completion rules enforced on any backend: one
+stream per rank (a batch starts only when the previous one has completed), so an order that
+NCCL would deadlock on hangs on gloo too, and the tests catch it on a CPU.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from nobubble.ir import B, Action
+from nobubble.comm import COLLECTIVES, GATHER, RECV, SEND, Batch
+from nobubble.ir import Action
 from nobubble.placement import rank_of
+from nobubble.optim import sum_over_stages
 
-# Tag space: 2 * micro-batch + direction; evaluation traffic lives far above training traffic.
+# Evaluation traffic (blocking send/recv at drain points, when nothing else is pending).
 EVAL_TAG_BASE = 1 << 30
 
 
-def message_tag(producer: Action) -> int:
-    return 2 * producer.number + (1 if producer.kind == B else 0)
+class PeerTimeout(TimeoutError):
+    """A peer did not deliver (or accept) a message within the timeout."""
+
+
+class Handle:
+    """Completion of posted work: ``wait`` with a deadline, on every backend."""
+
+    def __init__(self, works: Sequence[Any], on_cuda: bool) -> None:
+        self.works, self.on_cuda = list(works), on_cuda
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout_s: float, what: str) -> None:
+        if self.on_cuda or any(isinstance(w, _Future) for w in self.works):
+            # NCCL's wait() only orders the current stream after the work; poll on the host so a
+            # hung peer is reported here, within our timeout, instead of by NCCL's watchdog.
+            deadline = time.monotonic() + timeout_s
+            while not self.is_completed():
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"no progress on {what} within {timeout_s:g} s")
+                time.sleep(1e-4)
+        for w in self.works:  # gloo: bounded by the process group's timeout
+            w.wait()
 
 
 class DistTransport:
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 collective_group: dist.ProcessGroup | None = None) -> None:
-        self.shape, self.dtype, self.device = shape, dtype, device
-        self.group = collective_group
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
-        self.posted: dict[Action, tuple[list[dist.Work], torch.Tensor]] = {}
+    def __init__(
+        self,
+        batches: Sequence[Batch],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        num_stages: int,
+        start_position: int = 0,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.batches = list(batches)
+        self.shape, self.dtype, self.device, self.num_stages = shape, dtype, device, num_stages
+        self.timeout_s = timeout_s
+        self.on_cuda = device.type == "cuda"
+        self.cursor = next(
+            (k for k, b in enumerate(self.batches) if b.position >= start_position),
+            len(self.batches),
+        )
+        self.position = start_position  # index (in the rank's order) of the next action
+        self.outgoing: dict[Action, torch.Tensor] = {}  # handed over, waiting for its batch
+        self.posted: dict[Action, tuple[Handle, torch.Tensor]] = {}  # receives in flight
+        self.sending: list[tuple[Handle, torch.Tensor, Action]] = []  # sends in flight
         self.shares: dict[int, torch.Tensor] = {}
         self.peer_of_last_wait: int | None = None
 
+    # ----- the plan -------------------------------------------------------------------------
+    def _next_batch(self, position: int) -> Batch | None:
+        if self.cursor < len(self.batches) and self.batches[self.cursor].position <= position:
+            return self.batches[self.cursor]
+        return None
+
+    def _post_point_to_point(self, position: int) -> None:
+        """Post every point-to-point batch planned before ``position``; stop at a collective."""
+        while (batch := self._next_batch(position)) is not None:
+            if batch.ops[0].kind in COLLECTIVES:
+                return
+            self.cursor += 1
+            ops, buffers = [], []
+            for op in batch.ops:
+                if op.kind == SEND:
+                    tensor = self.outgoing.pop(op.message, None)
+                    assert tensor is not None, f"plan sends {op.message}; nothing was handed over"
+                    ops.append(dist.P2POp(dist.isend, tensor, op.peer, tag=0))
+                    buffers.append(tensor)
+                else:
+                    assert op.kind == RECV
+                    buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buffer, op.peer, tag=0))
+                    buffers.append(buffer)
+            handle = self._launch(ops)
+            for op, buffer in zip(batch.ops, buffers, strict=True):
+                if op.kind == SEND:
+                    self.sending.append((handle, buffer, op.message))
+                else:
+                    self.posted[op.message] = (handle, buffer)
+            self._reap()
+
+    def _skip_drain(self) -> None:
+        batch = self._next_batch(self.position)
+        if batch is not None and batch.ops[0].kind in COLLECTIVES and batch.ops[0].kind != GATHER:
+            self.cursor += 1
+
+    def _launch(self, ops: list[dist.P2POp]) -> Handle:
+        return Handle(dist.batch_isend_irecv(ops), self.on_cuda)
+
+    def _all_gather(self, share: torch.Tensor) -> tuple[Handle, list[torch.Tensor]]:
+        parts = [torch.empty_like(share) for _ in range(self.num_stages)]
+        return Handle([dist.all_gather(parts, share, async_op=True)], self.on_cuda), parts
+
     def _reap(self) -> None:
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        self.sending = [s for s in self.sending if not s[0].is_completed()]
+
+    # ----- the interpreter's side -------------------------------------------------------------
+    def begin(self, action: Action) -> None:
+        self._skip_drain()
+        self._post_point_to_point(self.position)
+        self.position += 1
 
     def send(self, producer: Action, tensor: torch.Tensor, dst_stage: int) -> None:
-        tensor = tensor.contiguous()
-        op = dist.P2POp(dist.isend, tensor, rank_of(dst_stage), tag=message_tag(producer))
-        self.pending += [(work, tensor) for work in dist.batch_isend_irecv([op])]
-        self._reap()
-
-    def prefetch(self, producer: Action, dst_stage: int) -> None:
-        """Post the receive of a later action now, so its message lands while this rank computes
-        (a process blocked in a receive pays the operating system's wake-up latency)."""
-        if producer in self.posted:
-            return
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        op = dist.P2POp(dist.irecv, buffer, rank_of(producer.stage), tag=message_tag(producer))
-        self.posted[producer] = (dist.batch_isend_irecv([op]), buffer)
+        self.outgoing[producer] = tensor.contiguous()
 
     def recv(self, producer: Action, dst_stage: int) -> torch.Tensor:
-        self.prefetch(producer, dst_stage)
-        works, buffer = self.posted.pop(producer)
+        handle, buffer = self.posted.pop(producer)
         self.peer_of_last_wait = rank_of(producer.stage)
-        for work in works:
-            work.wait()
+        handle.wait(self.timeout_s, f"the receive of {producer} from rank {producer.stage}")
         self.peer_of_last_wait = None
         return buffer
 
     def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
-        self.shares[step] = value.detach().to(self.device, torch.float32).reshape(1)
+        self.shares[step] = value.detach().to(self.device, torch.float64).reshape(1)
 
     def reduce(self, step: int, stage: int) -> torch.Tensor:
-        total = self.shares.pop(step)
-        dist.all_reduce(total, group=self.group)  # sync schedules only: a flush anyway
-        return total[0]
+        """Every stage's share, gathered and added in stage order (bitwise the emulator's)."""
+        batch = self._next_batch(self.position)
+        assert batch is not None and batch.ops[0].kind == GATHER, f"plan has no gather at {step}"
+        assert batch.ops[0].message.number == step, f"plan gathers {batch.ops[0]}, not step {step}"
+        self.cursor += 1
+        handle, parts = self._all_gather(self.shares.pop(step))
+        handle.wait(self.timeout_s, f"the gradient-norm gather of step {step}")
+        return sum_over_stages(parts)
 
     def flush(self) -> None:
-        """Wait for every outstanding send (before a drain point's collectives or exit)."""
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
+        """Wait for every send to complete (at a drain point, which follows a STEP: the plan
+        has posted every send by then, and the next receive waits for the next action)."""
+        assert not self.outgoing, f"handed over but not posted: {sorted(self.outgoing)}"
+        for handle, _, message in self.sending:
+            handle.wait(self.timeout_s, f"the send of {message}")
+        self.sending.clear()
+
+
+class StrictTransport(DistTransport):
+    """The same plan under NCCL's completion rules, on any backend (a testing aid).
+
+    One worker thread is the rank's stream: it runs the posted batches one after the other and
+    starts a batch only when the previous one has completed, as an NCCL stream does. A plan
+    that NCCL would deadlock on then hangs here too, and the peers' timeout reports it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stream: queue.Queue[tuple[Callable[[], Any], _Future] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run_stream, name="strict-stream", daemon=True)
+        self.thread.start()
+
+    def _run_stream(self) -> None:
+        while (item := self.stream.get()) is not None:
+            work, future = item
+            try:
+                for w in work():
+                    w.wait()
+            except Exception as err:  # surfaced by the waiting caller
+                future.error = err
+            future.done.set()
+
+    def _enqueue(self, work: Callable[[], Any]) -> _Future:
+        future = _Future()
+        self.stream.put((work, future))
+        return future
+
+    def _launch(self, ops: list[dist.P2POp]) -> Handle:
+        return Handle([self._enqueue(lambda: dist.batch_isend_irecv(ops))], on_cuda=False)
+
+    def _all_gather(self, share: torch.Tensor) -> tuple[Handle, list[torch.Tensor]]:
+        parts = [torch.empty_like(share) for _ in range(self.num_stages)]
+        future = self._enqueue(lambda: [dist.all_gather(parts, share, async_op=True)])
+        return Handle([future], on_cuda=False), parts
+
+    def close(self) -> None:
+        self.stream.put(None)
+        self.thread.join()
+
+
+class _Future:
+    """Completion of one batch on the strict stream, with the interface of a ``dist.Work``."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True

@@ -10,7 +10,7 @@ from nobubble.exec.emulator import Emulator
 from nobubble.exec.interpreter import Interpreter
 from nobubble.exec.transport import InProcessTransport, Transport
 from nobubble.exec.versions import WeightVersions, alias
-from nobubble.exec.worker import Batch, StageWorker
+from nobubble.exec.worker import Batch, StageWorker, misplaced
 from nobubble.ir import Schedule
 from nobubble.ledger import Ledger
 from nobubble.model import StageModule
@@ -26,6 +26,7 @@ __all__ = [
     "WeightVersions",
     "alias",
     "build_workers",
+    "misplaced",
 ]
 
 

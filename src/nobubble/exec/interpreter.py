@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,31 +27,29 @@ class Interpreter:
         num_stages: int,
         global_clip: bool = False,
         record: bool = True,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], Any] = time.perf_counter,
     ) -> None:
         self.worker, self.transport, self.num_stages = worker, transport, num_stages
         self.global_clip, self.record = global_clip, record
         self.clock = clock
-        # compute spans (aligned with the order) and communication spans (recv wait, send)
-        self.spans: list[tuple[Action, float, float]] = []
-        self.comm: list[tuple[str, Action, float, float]] = []
+        # compute spans (aligned with the order) and communication spans (recv wait, send), in
+        # the clock's marks: seconds, or CUDA events until the runtime's clock settles them
+        self.spans: list[tuple[Action, Any, Any]] = []
+        self.comm: list[tuple[str, Action, Any, Any]] = []
         self.handlers: dict[str, Callable[[Action, torch.Tensor | None], torch.Tensor | None]] = {
             F: self._forward,
             B: self._backward,
             STEP: self._step,
         }
 
-    def execute(self, action: Action, upcoming: Action | None = None) -> None:
+    def execute(self, action: Action) -> None:
         """Receive what the action consumes, run it, ship what it produces; time each part.
 
-        ``upcoming`` (the rank's next action) lets the transport post that action's receive
-        before this one computes.
+        ``begin`` lets the transport post what its plan puts before this action (in the
+        runtime: the previous action's send together with this action's receive).
         """
-        if upcoming is not None:
-            source = remote_dependency(upcoming, self.num_stages)
-            if source is not None:
-                self.transport.prefetch(source, upcoming.stage)
         t0 = self.clock()
+        self.transport.begin(action)
         received = self._receive(action)
         t1 = self.clock()
         output = self.handlers[action.kind](action, received)

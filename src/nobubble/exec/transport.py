@@ -2,7 +2,7 @@
 
 A message is keyed by the action that produced it (``deps.remote_dependency`` of the consumer
 names it), so the dependency rule also names every message. The torch.distributed transport
-(layer 2) implements the same four methods with blocking point-to-point calls and a collective.
+(layer 2) implements the same methods: it posts what ``comm.rank_batches`` plans, at ``begin``.
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from typing import Protocol
 import torch
 
 from nobubble.ir import Action
+from nobubble.optim import sum_over_stages
 
 
 class Transport(Protocol):
+    def begin(self, action: Action) -> None:
+        """The rank is about to run ``action``: post what must be posted before it."""
+        ...
+
     def send(self, producer: Action, tensor: torch.Tensor, dst_stage: int) -> None: ...
 
     def recv(self, producer: Action, dst_stage: int) -> torch.Tensor: ...
-
-    def prefetch(self, producer: Action, dst_stage: int) -> None:
-        """Optionally start receiving a later action's input now (no-op in one process)."""
-        ...
 
     def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
         """Offer this stage's share of a sum over stages (global gradient-norm clipping)."""
@@ -51,7 +52,7 @@ class InProcessTransport:
     def recv(self, producer: Action, dst_stage: int) -> torch.Tensor:
         return self.mailbox.pop(producer)
 
-    def prefetch(self, producer: Action, dst_stage: int) -> None:
+    def begin(self, action: Action) -> None:
         return None
 
     def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
@@ -62,7 +63,7 @@ class InProcessTransport:
 
     def reduce(self, step: int, stage: int) -> torch.Tensor:
         shares = self.shares[step]
-        total = torch.stack([shares[s] for s in range(self.num_stages)]).sum()
+        total = sum_over_stages([shares[s] for s in range(self.num_stages)])
         self.reduced[step] = self.reduced.get(step, 0) + 1
         if self.reduced[step] == self.num_stages:  # everyone has read it
             del self.shares[step], self.reduced[step]

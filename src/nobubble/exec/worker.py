@@ -33,6 +33,36 @@ from nobubble.optim import (
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def expect_device(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    """``tensor``, after checking it lives on the stage's device (a cheap comparison that turns
+    a forgotten ``.to(device)`` into an error naming the tensor, on any machine)."""
+    if tensor.device != device:
+        raise RuntimeError(f"{what} is on {tensor.device}, but the stage runs on {device}")
+    return tensor
+
+
+def misplaced(tree: Any, device: torch.device, path: str = "state") -> list[str]:
+    """Paths of the tensors of a nested dict/list/tuple that are not on ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return [f"{path} ({tree.device})"] if tree.device != device else []
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in misplaced(v, device, f"{path}.{k}")]
+    if isinstance(tree, list | tuple):
+        return [p for i, v in enumerate(tree) for p in misplaced(v, device, f"{path}[{i}]")]
+    return []
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """Every tensor of a nested dict/list/tuple moved to ``device`` (checkpoint state)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(to_device(v, device) for v in tree)
+    return tree
+
+
 @dataclass
 class Saved:
     """What a forward keeps for its backward."""
@@ -92,28 +122,37 @@ class StageWorker:
         self.batch_fn, self.lr_fn, self.clip_norm = batch_fn, lr_fn, clip_norm
         self.autocast_dtype, self.recompute = autocast_dtype, recompute
         self.named = list(module.named_parameters())
+        # the stage's declared device: inputs, state and buffers must all live there
+        self.device = self.named[0][1].device
         self.versions = WeightVersions(self.named, schedule, ledger)
         self.saved: dict[int, Saved] = {}
         self.backwards_in_batch = 0
-        self.losses: dict[int, float] = {}  # micro-batch -> loss (last stage only)
+        # micro-batch -> loss (last stage only), kept as a device tensor until a drain point reads
+        # it: a float() per micro-batch would stall a GPU's queue once per micro-batch
+        self.losses: dict[int, torch.Tensor] = {}
         self.peak_saved = 0
         self.peak_activation_bytes = 0
         self.grad_norms: dict[int, float] = {}  # step -> gradient norm before clipping
 
     # ----- forward -------------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         device = self.named[0][1].device.type
         return torch.autocast(device_type=device, dtype=self.autocast_dtype)
 
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
     def _run(self, version: int, inputs: torch.Tensor, m: int) -> torch.Tensor:
         weights = self.versions.get(version)
-        targets = self.batch_fn(m)[1] if self.module.is_last else None
-        with self._autocast(), self._count_saved(weights):
+        targets = None
+        if self.module.is_last:
+            targets = expect_device(self._to_device(self.batch_fn(m)[1]), self.device, "targets")
+        with self.autocast(), self._count_saved(weights):
             out = functional_call(self.module, weights, (inputs,), {"targets": targets})
         if self.module.is_last:
-            self.losses[m] = float(out.detach())
+            self.losses[m] = out.detach()
             out = out / self.schedule.num_microbatches  # the batch loss is the micro-batch mean
         return out
 
@@ -140,10 +179,11 @@ class StageWorker:
         """Run micro-batch m; return the activation to send on (None on the last stage)."""
         version = self.ledger.fwd_version[m]
         if self.module.is_first:
-            inputs = self.batch_fn(m)[0]
+            inputs = self._to_device(self.batch_fn(m)[0])
         else:
             assert received is not None, f"stage {self.stage} got no activation for {m}"
             inputs = received.detach().requires_grad_(True)
+        expect_device(inputs, self.device, f"the input of micro-batch {m}")
         if self.recompute:  # keep only the stage input; the graph is rebuilt at backward
             with torch.no_grad():
                 out = self._run(version, inputs, m)
@@ -174,6 +214,8 @@ class StageWorker:
             # the master's storage, so the saved graph reads the weights as updated since.
             assert saved.output is not None
             weights, out = saved.weights, saved.output
+        if grad_out is not None:
+            expect_device(grad_out, self.device, f"the gradient of micro-batch {m}")
         leaves = list(weights.values())
         wants_input = not self.module.is_first
         targets = ([saved.inputs] if wants_input else []) + leaves
@@ -185,6 +227,11 @@ class StageWorker:
             self.versions.consumed(version)
         self.backwards_in_batch += 1
         return grad_in
+
+    def pop_losses(self, micro_batches: range) -> list[float]:
+        """The losses of ``micro_batches`` as floats (one host sync for all of them)."""
+        values = torch.stack([self.losses.pop(m) for m in micro_batches]).float().cpu()
+        return values.tolist()
 
     @property
     def batch_complete(self) -> bool:
@@ -212,6 +259,7 @@ class StageWorker:
             raise ValueError(
                 f"checkpoint part of stage {state['stage']} given to stage {self.stage}"
             )
+        state = to_device(state, self.device)  # EF buffers and stashed versions included
         with torch.no_grad():
             for name, p in self.named:
                 p.copy_(state["module"][name])

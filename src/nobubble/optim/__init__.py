@@ -2,7 +2,13 @@
 schedule, clipping helpers and update-level delay corrections (error feedback)."""
 
 from nobubble.optim.build import StageOptimizer, build_optimizer
-from nobubble.optim.clip import clip_coefficient, grad_sq_norm, grads_finite, scale_grads_
+from nobubble.optim.clip import (
+    clip_coefficient,
+    grad_sq_norm,
+    grads_finite,
+    scale_grads_,
+    sum_over_stages,
+)
 from nobubble.optim.config import DEFAULT_BETAS, OPTIMIZERS, OptimConfig
 from nobubble.optim.correction import DelayCorrection, ErrorFeedback, NoCorrection
 from nobubble.optim.lion import Lion, lion_update
@@ -35,6 +41,7 @@ __all__ = [
     "muon_group",
     "route_parameters",
     "scale_grads_",
+    "sum_over_stages",
     "wants_weight_decay",
     "warmup_steps",
 ]

@@ -8,7 +8,7 @@ clipping never becomes a cross-stage barrier (the policy lives with the caller).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -32,6 +32,19 @@ def grad_sq_norm(params: Iterable[Tensor]) -> Tensor:
     # fp32 accumulation, whatever the gradient dtype: bf16 squares would lose the small entries.
     squares = [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]
     return torch.stack(squares).sum()
+
+
+def sum_over_stages(squares: Sequence[Tensor]) -> Tensor:
+    """The global squared gradient norm from each stage's share, given in stage order.
+
+    Added one by one in stage order in float64, on the first share's device: every rank of the
+    runtime and the emulator compute the same bits, whatever order a backend's all-reduce would
+    add them in (float32 addition is not associative, and gloo's order depends on the machine).
+    """
+    total = torch.zeros((), dtype=torch.float64, device=squares[0].device)
+    for share in squares:
+        total = total + share.to(total.device, torch.float64).reshape(())
+    return total
 
 
 def clip_coefficient(total_norm: Tensor | float, max_norm: float) -> Tensor | float:
