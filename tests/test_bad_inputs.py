@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 import nobubble.assemble
 import nobubble.config
@@ -82,3 +83,32 @@ def test_a_validation_split_shorter_than_a_micro_batch_is_refused(capsys, tmp_pa
     assert "--seq-len 2048 cuts the" in err
     assert "fewer than one micro-batch of --micro-batch-size 4 for evaluation" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device", "cuda"], "--device cuda, but torch"),
+        (["--backend", "nccl", "--device", "cpu"], "--backend nccl moves GPU tensors only"),
+    ],
+)
+def test_a_device_or_backend_this_machine_lacks_is_refused_before_any_process_starts(
+    capsys, tmp_path, monkeypatch, flags, message
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU machine
+    out = tmp_path / "never"
+    code, err = train(capsys, "--runtime", "dist", "--stages", "2", *flags, "--out", str(out))
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
+    from nobubble.dist.runtime import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = TrainConfig(stages=4, runtime="dist", device="cuda")
+    with pytest.raises(ValueError, match="4 ranks on this machine need 4 GPUs, but 2 are visible"):
+        resolve_device(cfg, local_rank=0, local_world_size=4)
+    assert resolve_device(cfg, 1, 2) == (torch.device("cuda", 1), "nccl")

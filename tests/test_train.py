@@ -179,3 +179,22 @@ def test_sync_warmup_is_synchronous_then_delayed(corpus, tmp_path):
     assert a[3]["loss"] != b[3]["loss"]  # batch 3 reads version 2: the one-step delay begins
     ledger = json.loads((tmp_path / "warm" / "ledger.json").read_text())
     assert ledger["summary"][0]["max_delay"] == 1
+
+
+def test_a_run_stopped_with_stop_at_resumes_to_its_end_from_the_command_line(
+    corpus, tmp_path, capsys
+):
+    """``--resume DIR`` takes the saved settings, but not the planned stop that ended them."""
+    out = tmp_path / "run"
+    Trainer(small(corpus, out, stop_at=4, sample_tokens=0)).run()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    capsys.readouterr()
+    # resuming a finished run: a clear refusal, the run directory left as it was
+    before = (out / "metrics.jsonl").read_bytes()
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"the checkpoint in '{out}' is at step 8 and the run ends at step 8" in err
+    assert "give a larger --steps" in err
+    assert (out / "metrics.jsonl").read_bytes() == before

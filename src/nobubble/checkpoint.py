@@ -130,3 +130,12 @@ def load_part(
     except Exception as err:  # any unpickling failure means the same thing to the user
         raise CheckpointError(f"checkpoint part {str(path)!r} cannot be read: {err}") from None
     return part
+
+
+def check_work_left(step: int, end: int, run_dir: Path) -> None:
+    """A resume must have steps left to run: name the checkpoint's step and the fix."""
+    if step >= end:
+        raise ValueError(
+            f"the checkpoint in {str(run_dir)!r} is at step {step} and the run ends at step "
+            f"{end}: nothing is left to train; give a larger --steps to continue it"
+        )

@@ -26,6 +26,7 @@ from nobubble import __version__
 from nobubble.assemble import Plan, load_data, make_plan, make_stages, make_worker
 from nobubble.checkpoint import (
     check_fingerprint,
+    check_work_left,
     finalize,
     load_part,
     read_manifest,
@@ -155,6 +156,7 @@ class Trainer:
             manifest = read_manifest(self.run_dir)
             check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
             self.start_step = manifest["step"]
+            check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
         self.data = load_data(cfg)
         self.plan = make_plan(cfg, self.data.vocab_size)
         if self.start_step and self.start_step not in self.plan.drain_points:

@@ -102,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if args.resume and not args.config:  # a resumed run takes the saved settings by default
         saved = TrainConfig.load(f"{args.resume}/config.json")["config"]
+        saved.pop("stop_at", None)  # a planned interruption ends the run it interrupted
         values = {**saved, **values}
     return TrainConfig.from_mapping(values)
 

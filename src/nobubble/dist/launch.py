@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from nobubble.checkpoint import check_work_left, read_manifest
 from nobubble.config import TrainConfig
 from nobubble.errors import NobubbleError
 from nobubble.train import RunResult, resolve_run_dir
@@ -67,7 +68,12 @@ def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, s
 def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
     """Run ``cfg`` on ``cfg.stages`` local processes; ``argv`` are the user's train flags."""
     from nobubble.assemble import load_data
+    from nobubble.dist.runtime import resolve_device
 
+    resolve_device(cfg, 0, cfg.stages)  # a missing GPU is refused here, before any process starts
+    if cfg.resume:  # so is a finished run
+        check_work_left(read_manifest(Path(cfg.resume))["step"], cfg.stop_at or cfg.steps,
+                        Path(cfg.resume))
     port = cfg.master_port or free_port()
     if cfg.master_port:
         check_port(port)

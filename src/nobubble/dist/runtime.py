@@ -27,6 +27,7 @@ import torch.distributed as dist
 from nobubble.assemble import load_data, make_plan, make_stages, make_worker
 from nobubble.checkpoint import (
     check_fingerprint,
+    check_work_left,
     finalize,
     load_part,
     read_manifest,
@@ -36,7 +37,7 @@ from nobubble.checkpoint import (
 from nobubble.config import TrainConfig
 from nobubble.comm import check_communication
 from nobubble.dist.clock import CudaClock, HostClock
-from nobubble.dist.transport import EVAL_TAG_BASE, DistTransport, StrictTransport
+from nobubble.dist.transport import EVAL_TAG_BASE, DistTransport, Handle, StrictTransport
 from nobubble.exec import Interpreter, misplaced
 from nobubble.ir import STEP, Action
 from nobubble.metrics import MetricsWriter, truncate_metrics
@@ -107,6 +108,7 @@ class RankRun:
             manifest = read_manifest(self.run_dir)
             check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
             self.start_step = manifest["step"]
+            check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
         if self.rank != 0:
             self._barrier()  # rank 0 fills the data cache first (tokenizer training, encoding)
         self.data = load_data(cfg)
@@ -196,11 +198,12 @@ class RankRun:
             h = x.to(self.device)
             if self.rank > 0:
                 h = torch.empty(shape, dtype=torch.float32, device=self.device)
-                dist.recv(h, self.rank - 1, tag=tag)
+                self._eval_transfer(dist.irecv(h, self.rank - 1, tag=tag), f"receive {i}")
             with self.worker.autocast():  # as the emulator's evaluation
                 out = module(h, y.to(self.device)) if self.rank == self.last else module(h)
             if self.rank < P - 1:
-                dist.send(out.float().contiguous(), self.rank + 1, tag=tag)
+                sent = dist.isend(out.float().contiguous(), self.rank + 1, tag=tag)
+                self._eval_transfer(sent, f"send {i}")
             else:
                 losses.append(out.detach().float())
         module.train()
@@ -208,6 +211,11 @@ class RankRun:
             return None
         values = torch.stack(losses).cpu().tolist()  # one host sync; the mean as the emulator's
         return sum(values) / len(values)
+
+    def _eval_transfer(self, work: Any, what: str) -> None:
+        """Wait for one validation transfer, bounded as training's are (NCCL included)."""
+        Handle([work], self.device.type == "cuda").wait(self.cfg.dist_timeout,
+                                                        f"the validation {what}")
 
     def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
         P = self.env.world_size
@@ -419,6 +427,7 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         step = None
     resume = (f"resume from the checkpoint of step {step}: nobubble train --resume {run_dir}"
               if step else "no checkpoint was written yet: start the run again")
+    log.debug("rank %d failed", env.rank, exc_info=err)  # the traceback, with -v
     print(f"nobubble: rank {env.rank} (stage {env.rank}) failed {where}: "
           f"{type(err).__name__}: {err}; {resume}", file=sys.stderr, flush=True)
     # Peers may be dead or blocked: no collective clean-up, leave now with a failure status.
