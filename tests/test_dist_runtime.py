@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -404,3 +405,59 @@ def assert_refused(done, message: str, out: Path) -> None:
     assert "Traceback" not in done.stderr
     assert done.seconds < 30  # an interpreter start and an import of torch, nothing more
     assert not out.exists()
+
+
+# ----- 5. teardown --------------------------------------------------------------------------------
+RANK_SCRIPT = """
+import gc, json, sys, weakref
+from nobubble.config import TrainConfig
+from nobubble.dist import transport
+from nobubble.dist.runtime import run_rank
+
+run_rank(TrainConfig(**json.loads(sys.argv[1])))
+alive = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, transport.DistTransport)]
+print(json.dumps({"transports": sum(r() is not None for r in alive), "garbage": gc.collect()}))
+"""
+
+
+def test_a_finished_rank_leaves_no_communication_state_for_interpreter_exit(corpus, tmp_path):
+    """The cause of the rare SIGABRT at exit (docs/runtime.md): the run's transport, work handles
+    and process groups sat in reference cycles, freed by whichever cyclic collection came next,
+    possibly during interpreter finalization. Now nothing is left once run_rank returns."""
+    config = {
+        "schedule": "1f1b",
+        "stages": 2,
+        "data": str(corpus),
+        "vocab_size": 512,
+        "seq_len": 32,
+        "micro_batch_size": 4,
+        "microbatches": 2,
+        "steps": 2,
+        "eval_every": 2,
+        "eval_batches": 1,
+        "sample_tokens": 0,
+        "threads": 1,
+        "runtime": "dist",
+        "progress": False,
+        "out": str(tmp_path / "run"),
+    }
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = clean_env(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        command = [sys.executable, "-c", RANK_SCRIPT, json.dumps(config)]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        kill_all([p.pid for p in procs if p.poll() is None])
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}"
+        left = json.loads(out.strip().splitlines()[-1])
+        assert left == {"transports": 0, "garbage": 0}, f"rank {rank}: {left}"

@@ -9,7 +9,6 @@ loss), and checkpoints (each rank writes its part; the manifest is written once 
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
@@ -37,7 +36,13 @@ from nobubble.checkpoint import (
 from nobubble.config import TrainConfig
 from nobubble.comm import check_communication
 from nobubble.dist.clock import CudaClock, HostClock
-from nobubble.dist.transport import EVAL_TAG_BASE, DistTransport, Handle, StrictTransport
+from nobubble.dist.transport import (
+    EVAL_TAG_BASE,
+    DistTransport,
+    Handle,
+    StrictTransport,
+    shutdown,
+)
 from nobubble.exec import Interpreter, misplaced
 from nobubble.ir import STEP, Action
 from nobubble.metrics import MetricsWriter, truncate_metrics
@@ -394,19 +399,17 @@ def run_rank(cfg: TrainConfig) -> RunResult | None:
         result = run.run()
     except Exception as err:  # any failure: name the rank, the action, the resume point
         _fail(env, cfg, run, err)
-    _shutdown(run)
+    # The run sits in reference cycles (the interpreter's dispatch table holds its bound
+    # methods): drop it, so that shutdown() frees its transport now, not at interpreter exit.
+    _close(run)
+    run = None
+    shutdown()
     return result
 
 
-def _shutdown(run: RankRun | None) -> None:
-    """Leave no communication state for the interpreter's exit to tear down: stop the strict
-    stream, drop every tensor the backend may still reference, destroy the process groups, and
-    collect the cycles that hold them, all while this thread still runs Python normally."""
+def _close(run: RankRun | None) -> None:
     if run is not None and isinstance(run.transport, StrictTransport):
-        run.transport.close()
-    del run
-    dist.destroy_process_group()
-    gc.collect()
+        run.transport.close()  # its stream thread ends here, not at interpreter exit
 
 
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:

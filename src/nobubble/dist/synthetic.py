@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from nobubble.comm import check_communication
 from nobubble.dist.launch import _watch, free_port, rank_env
-from nobubble.dist.transport import DistTransport
+from nobubble.dist.transport import DistTransport, shutdown
 from nobubble.exec import Interpreter
 from nobubble.ir import Schedule
 from nobubble.schedules import build_schedule
@@ -110,7 +110,8 @@ def rank_main(args: argparse.Namespace) -> None:
         Path(args.result).write_text(
             json.dumps({"makespan_s": t1 - t0, "latency_s": latency, "spans": gathered})
         )
-    dist.destroy_process_group()
+    del interp, transport, worker
+    shutdown()
 
 
 def run_synthetic(

@@ -41,6 +41,7 @@ from nobubble.assemble import load_data, make_plan, make_stages
 from nobubble.config import TrainConfig
 from nobubble.data import TokenData
 from nobubble.dist.launch import _watch, free_port, rank_env
+from nobubble.dist.transport import shutdown
 from nobubble.errors import NobubbleError
 from nobubble.model import StageModule
 from nobubble.model.gpt import lm_loss, run_layers
@@ -255,6 +256,7 @@ def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
+    run: PeerRun | None = None
     try:
         run = PeerRun(cfg, schedule, device)
         ends = run.train()
@@ -266,7 +268,8 @@ def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
             out = result_of(run, schedule, [g[0] for g in gathered], [g[1] for g in gathered])
             result.write_text(json.dumps(out, indent=1) + "\n")
     finally:
-        dist.destroy_process_group()
+        run = None  # torch's stages and schedule go before the process groups
+        shutdown()
 
 
 def launch_peer(

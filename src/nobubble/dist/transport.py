@@ -20,6 +20,7 @@ NCCL would deadlock on hangs on gloo too, and the tests catch it on a CPU.
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
@@ -36,6 +37,15 @@ from nobubble.optim import sum_over_stages
 
 # Evaluation traffic (blocking send/recv at drain points, when nothing else is pending).
 EVAL_TAG_BASE = 1 << 30
+
+
+def shutdown() -> None:
+    """Destroy every process group, then collect the reference cycles that may still hold work
+    handles, buffers or groups, while the interpreter is fully alive. Left to the cyclic GC they
+    may be freed during interpreter finalization, where a gloo thread that needs the GIL ends
+    the process with SIGABRT (docs/runtime.md). Callers drop their own references first."""
+    dist.destroy_process_group()
+    gc.collect()
 
 
 class PeerTimeout(TimeoutError):
