@@ -46,6 +46,17 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def hand_started_rank(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment of one rank started by hand, as torchrun would set it."""
+    return clean_env(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
 def train_command(*flags: str) -> list[str]:
     return [sys.executable, "-m", "nobubble", "train", *flags]
 

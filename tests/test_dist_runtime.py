@@ -26,6 +26,7 @@ from _dist_helpers import (
     assert_same_state,
     clean_env,
     free_port,
+    hand_started_rank,
     kill_all,
     launched_rank,
     load_parts,
@@ -309,13 +310,7 @@ def test_ranks_with_different_configs_refuse_to_train(corpus, tmp_path):
     procs, logs = [], []
     start = time.monotonic()
     for rank, lr in ((0, "0.003"), (1, "0.001")):
-        env = clean_env(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        env = hand_started_rank(rank, 2, port)
         flags = small_flags(corpus, "paci", 2, lr=lr, dist_timeout=DIST_TIMEOUT)
         logs.append((tmp_path / f"rank{rank}.err").open("w+"))
         procs.append(
@@ -444,13 +439,7 @@ def test_a_finished_rank_leaves_no_communication_state_for_interpreter_exit(corp
     port = free_port()
     procs = []
     for rank in range(2):
-        env = clean_env(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        env = hand_started_rank(rank, 2, port)
         command = [sys.executable, "-c", RANK_SCRIPT, json.dumps(config)]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
     try:
