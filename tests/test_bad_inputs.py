@@ -112,3 +112,8 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="4 ranks on this machine need 4 GPUs, but 2 are visible"):
         resolve_device(cfg, local_rank=0, local_world_size=4)
     assert resolve_device(cfg, 1, 2) == (torch.device("cuda", 1), "nccl")
+
+
+def test_device_flags_with_the_emulator_are_refused():
+    with pytest.raises(ValueError, match="apply to --runtime dist; the emulator runs every stage"):
+        TrainConfig(runtime="emulate", device="cuda")

@@ -194,6 +194,13 @@ class TrainConfig:
                 f"--checkpoint-every {self.checkpoint_every} must be a multiple of "
                 f"--eval-every {self.eval_every} (checkpoints need drain points)"
             )
+        if self.runtime == "emulate" and (
+            self.device == "cuda" or self.backend != "auto" or self.strict_p2p
+        ):
+            raise ValueError(
+                "--device cuda, --backend and --strict-p2p apply to --runtime dist; the "
+                "emulator runs every stage in one process on the CPU: use --runtime dist"
+            )
         if self.paci_recompute and self.schedule != "paci":
             raise ValueError("--paci-recompute applies to --schedule paci only")
         every = self.checkpoint_every
