@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -46,6 +47,15 @@ def test_quick_experiments_write_their_files(root):
         assert _finite({k: v for k, v in summary.items() if k != "base"})
     lr = json.loads((root / "lr-sweep" / "lr.json").read_text())
     assert set(lr["best"]) == {"adamw", "muon"}
+
+
+def test_run_folders_carry_the_hash_of_their_config_and_code(root):
+    runs = [p for p in (root / "runs").iterdir() if p.is_dir()]
+    assert runs
+    for run in runs:
+        assert re.fullmatch(r".+-[0-9a-f]{8}", run.name), run.name
+        key = json.loads((run / "key.json").read_text())
+        assert {"config", "code"} <= set(key) and "out" not in key["config"]
 
 
 def test_quick_summaries_have_the_reported_keys(root):
@@ -93,6 +103,8 @@ def test_report_collects_every_experiment(root, tmp_path):
     for title in ("One-step delay", "Error feedback", "PipeDream vs 2BW", "PACI vs 1F1B"):
         assert title in text
     assert "**Verdict:**" in text
+    assert text.index("## Verdict rules") < text.index("## One-step delay")
+    assert "inconclusive (1 seed; R4)" in text  # the quick profile runs one seed
     assert list((tmp_path / "img" / "results").glob("*.png"))
 
 

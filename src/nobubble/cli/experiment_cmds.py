@@ -76,7 +76,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("experiment", help="reproduce the papers' claims at small scale")
     p.add_argument("name", choices=EXPERIMENT_NAMES)
     p.add_argument("--quick", action="store_true", help="a few-minute smoke version")
-    p.add_argument("--seeds", type=int, default=2, help="seeds per configuration")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds per configuration (default 3, the fewest that carry a verdict; --quick 1)",
+    )
     p.add_argument("--out", default=None, help="root folder (default runs/experiments[-quick])")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     p.add_argument(

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nobubble.experiments import analysis, grids, paci_analysis
+from nobubble.experiments import analysis, depth_analysis, grids, paci_analysis
 from nobubble.experiments.runner import RunOutcome, run_grid
+from nobubble.experiments.stats import MIN_SEEDS
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +21,12 @@ GRIDS = {
     "error-feedback": grids.error_feedback,
     "depth": grids.depth,
     "paci": grids.paci,
+}
+TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "delay-vs-optimizer": analysis.delay_table,
+    "error-feedback": analysis.ef_table,
+    "depth": depth_analysis.depth_table,
+    "paci": paci_analysis.paci_table,
 }
 
 
@@ -47,7 +55,7 @@ def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> 
 def run_experiment(
     name: str,
     quick: bool,
-    seeds: int,
+    seeds: int | None,
     out: str | None,
     jobs: int,
     progress: bool = True,
@@ -56,7 +64,7 @@ def run_experiment(
 ) -> dict[str, Any]:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
-    if seeds < 1:
+    if seeds is not None and seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     root = Path(out) if out else default_root(quick)
     if name == "report":
@@ -64,6 +72,15 @@ def run_experiment(
 
         return write_report(root, Path(report_to))
     profile = grids.QUICK if quick else grids.FULL
+    seeds = profile.seeds if seeds is None else seeds
+    if seeds < MIN_SEEDS and not quick:  # the quick profile is a smoke test, not evidence
+        log.warning(
+            "--seeds %d: the report needs %d paired seeds for a verdict; with fewer every "
+            "verdict of %s reads inconclusive",
+            seeds,
+            MIN_SEEDS,
+            name,
+        )
     if depths is not None:
         if name != "depth":
             raise ValueError(f"--depths is an option of the depth experiment, not of {name}")
@@ -85,8 +102,7 @@ def run_experiment(
         depths=list(profile.depths) if name == "depth" else None,
         params=_params(outcomes),
     )
-    table = paci_analysis.paci_table(summary) if name == "paci" else analysis.TABLES[name](summary)
-    analysis.write_summary(exp_dir, name, summary, table)
+    analysis.write_summary(exp_dir, name, summary, TABLES[name](summary))
     return summary
 
 
@@ -99,7 +115,11 @@ def summarize(
 ) -> dict[str, Any]:
     if name == "paci":
         return paci_analysis.analyze_paci(outcomes, out, profile.optimizers, lrs, profile.base)
-    return analysis.ANALYSES[name](outcomes, out, profile.optimizers, lrs)
+    if name == "depth":
+        return depth_analysis.analyze_depth(outcomes, out, profile.optimizers)
+    if name == "error-feedback":
+        return analysis.analyze_ef(outcomes, out, profile.optimizers, lrs)
+    return analysis.analyze_delay(outcomes, out, profile.optimizers, lrs)
 
 
 def _params(outcomes: dict[str, RunOutcome]) -> dict[str, Any]:

@@ -1,15 +1,22 @@
-"""Turn finished runs into the numbers each experiment reports, and their figures."""
+"""Turn finished runs into the numbers each experiment reports, and their figures.
+
+Shared helpers, and the delay-vs-optimizer and error-feedback analyses; depth and paci have
+their own modules. Every comparison pairs runs by seed (stats.py).
+"""
 
 from __future__ import annotations
 
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nobubble.experiments import stats, targets
 from nobubble.experiments.runner import RunOutcome
+
+# Summaries written before seed-paired statistics have no "format"; the report reads only these.
+FORMAT = 2
 
 COLOURS = {
     "adamw": "#C44E52",
@@ -35,12 +42,21 @@ def mean_std(values: list[float]) -> dict[str, float]:
     }
 
 
-def select(outcomes: dict[str, RunOutcome], **labels: Any) -> list[RunOutcome]:
+def by_seed(runs: list[RunOutcome]) -> dict[int, float]:
+    """Final validation loss of each run of one configuration, by its seed."""
+    out: dict[int, float] = {}
+    for o in runs:
+        seed = o.spec.labels["seed"]
+        assert seed not in out, f"two runs of seed {seed} in one configuration: {o.spec.name}"
+        out[seed] = final_val(o)
+    return out
+
+
+def select(outcomes: dict[str, RunOutcome] | list[RunOutcome], **labels: Any) -> list[RunOutcome]:
     """Runs whose labels match; runs of a side study (label ``study``) only when asked for."""
     labels.setdefault("study", None)
-    return [
-        o for o in outcomes.values() if all(o.spec.labels.get(k) == v for k, v in labels.items())
-    ]
+    runs = outcomes.values() if isinstance(outcomes, dict) else outcomes
+    return [o for o in runs if all(o.spec.labels.get(k) == v for k, v in labels.items())]
 
 
 def _curves(
@@ -85,20 +101,21 @@ def _curves(
 def analyze_delay(
     outcomes: dict[str, RunOutcome], out: Path, optimizers: tuple[str, ...], lrs: dict[str, float]
 ) -> dict[str, Any]:
-    rows = {}
+    """Per optimizer: sync and 2bw losses, and the gap 2bw - sync paired by seed."""
+    rows: dict[str, dict[str, Any]] = {}
     for opt in optimizers:
-        sync = [final_val(o) for o in select(outcomes, optimizer=opt, schedule="1f1b")]
-        delayed = [
-            final_val(o) for o in select(outcomes, optimizer=opt, schedule="2bw", correction=None)
-        ]
-        gaps = [d - s for s, d in zip(sorted(sync), sorted(delayed), strict=False)]
+        sync = by_seed(select(outcomes, optimizer=opt, schedule="1f1b"))
+        delayed = by_seed(select(outcomes, optimizer=opt, schedule="2bw", correction=None))
         rows[opt] = {
             "lr": lrs[opt],
-            "sync": mean_std(sync),
-            "delayed": mean_std(delayed),
-            "gap": statistics.fmean(delayed) - statistics.fmean(sync),
-            "gap_per_seed": gaps,
+            "sync": mean_std(list(sync.values())),
+            "delayed": mean_std(list(delayed.values())),
+            "gap": stats.paired(delayed, sync),
         }
+    contrast = None
+    if "adamw" in rows and "muon" in rows:  # the claim: the delay costs AdamW more than Muon
+        gaps = {opt: stats.per_seed(rows[opt]["gap"]) for opt in ("adamw", "muon")}
+        contrast = stats.paired(gaps["adamw"], gaps["muon"])
     series = []
     for opt in optimizers:
         series.append(
@@ -113,17 +130,24 @@ def analyze_delay(
             )
         )
     _curves(out / "loss_curves.png", "sync (solid) vs one-step delay 2bw (dashed)", series)
-    return {"optimizers": rows, "figures": ["loss_curves.png"]}
+    return {
+        "format": FORMAT,
+        "optimizers": rows,
+        "adamw_gap_minus_muon_gap": contrast,
+        "figures": ["loss_curves.png"],
+    }
 
 
 def delay_table(summary: dict[str, Any]) -> str:
     lines = [
-        "| optimizer | lr | sync val loss | 2bw val loss | gap (2bw - sync) |",
+        "| optimizer | lr | sync val loss | 2bw val loss | gap 2bw - sync, paired by seed "
+        f"[{stats.CONFIDENCE:.0%} CI] |",
         "|---|---|---|---|---|",
     ]
     for opt, r in summary["optimizers"].items():
         lines.append(
-            f"| {opt} | {r['lr']:g} | {_ms(r['sync'])} | {_ms(r['delayed'])} | {r['gap']:+.4f} |"
+            f"| {opt} | {r['lr']:g} | {_ms(r['sync'])} | {_ms(r['delayed'])} | "
+            f"{stats.fmt_interval(r['gap'])} |"
         )
     return "\n".join(lines)
 
@@ -136,23 +160,26 @@ def _ms(x: dict[str, float]) -> str:
 def analyze_ef(
     outcomes: dict[str, RunOutcome], out: Path, optimizers: tuple[str, ...], lrs: dict[str, float]
 ) -> dict[str, Any]:
+    """Per optimizer and correction (ef, sync-warmup), paired by seed: the gap left to sync, the
+    change against plain 2bw, and the share of the gap recovered."""
     base = analyze_delay(outcomes, out, optimizers, lrs)
     rows = {}
     for opt in optimizers:
-        sync = base["optimizers"][opt]["sync"]["mean"]
-        gap = base["optimizers"][opt]["gap"]
-        row: dict[str, Any] = {"gap_none": gap}
+        sync = by_seed(select(outcomes, optimizer=opt, schedule="1f1b"))
+        delayed = by_seed(select(outcomes, optimizer=opt, schedule="2bw", correction=None))
+        row: dict[str, Any] = {"gap_none": base["optimizers"][opt]["gap"]}
         for corr in ("ef", "sync-warmup"):
-            vals = [final_val(o) for o in select(outcomes, optimizer=opt, correction=corr, lam=1.0)]
-            corr_gap = statistics.fmean(vals) - sync
+            corrected = by_seed(select(outcomes, optimizer=opt, correction=corr, lam=1.0))
             row[corr] = {
-                "val": mean_std(vals),
-                "gap": corr_gap,
-                "recovered": (gap - corr_gap) / gap if gap > 0 else None,
+                "val": mean_std(list(corrected.values())),
+                "gap": stats.paired(corrected, sync),
+                "change": stats.paired(corrected, delayed),
+                "recovered": stats.interval(recovered_per_seed(sync, delayed, corrected)),
             }
         lam_rows = {}
         for o in select(outcomes, optimizer=opt, correction="ef", seed=0):
-            lam_rows[str(o.spec.labels["lam"])] = final_val(o) - sync
+            if 0 in sync:  # the lam sweep runs seed 0: its gap is to sync's seed 0
+                lam_rows[str(o.spec.labels["lam"])] = final_val(o) - sync[0]
         row["lam_sweep_gap"] = dict(sorted(lam_rows.items(), key=lambda kv: float(kv[0])))
         row["lower_lr"] = _lower_lr_study(outcomes, opt)
         rows[opt] = row
@@ -178,7 +205,24 @@ def analyze_ef(
             (f"{opt} sync", COLOURS[opt], "-", select(outcomes, optimizer=opt, schedule="1f1b"))
         )
     _curves(out / "ef_curves.png", "sync (solid), 2bw (dashed), 2bw + EF lam=1 (dotted)", series)
-    return {"delay": base, "optimizers": rows, "figures": ["loss_curves.png", "ef_curves.png"]}
+    return {
+        "format": FORMAT,
+        "delay": base,
+        "optimizers": rows,
+        "figures": ["loss_curves.png", "ef_curves.png"],
+    }
+
+
+def recovered_per_seed(
+    sync: dict[int, float], delayed: dict[int, float], corrected: dict[int, float]
+) -> dict[int, float]:
+    """(2bw - corrected) / (2bw - sync) for each seed all three ran (and 2bw != sync)."""
+    seeds = sorted(set(sync) & set(delayed) & set(corrected))
+    return {
+        s: (delayed[s] - corrected[s]) / (delayed[s] - sync[s])
+        for s in seeds
+        if delayed[s] != sync[s]
+    }
 
 
 def _lower_lr_study(outcomes: dict[str, RunOutcome], opt: str) -> dict[str, Any] | None:
@@ -201,17 +245,24 @@ def _lower_lr_study(outcomes: dict[str, RunOutcome], opt: str) -> dict[str, Any]
 
 def ef_table(summary: dict[str, Any]) -> str:
     lines = [
-        "| optimizer | gap 2bw | gap 2bw+EF | recovered | gap 2bw+sync-warmup | recovered |"
-        " lam sweep (gap) |",
-        "|---|---|---|---|---|---|---|",
+        f"Paired by seed, mean [{stats.CONFIDENCE:.0%} CI] (n seeds). Recovered: "
+        "(2bw - corrected) / (2bw - sync) per seed; paper: from Table 2's losses.",
+        "",
+        "| optimizer | gap 2bw | gap 2bw+EF | EF recovers | paper | gap 2bw+sync start "
+        "| sync start recovers | paper | lam sweep, seed 0 (gap) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for opt, r in summary["optimizers"].items():
         lam = ", ".join(f"{k}: {v:+.4f}" for k, v in r["lam_sweep_gap"].items())
-        lines.append(
-            f"| {opt} | {r['gap_none']:+.4f} | {r['ef']['gap']:+.4f} | "
-            f"{_pct(r['ef']['recovered'])} | {r['sync-warmup']['gap']:+.4f} | "
-            f"{_pct(r['sync-warmup']['recovered'])} | {lam} |"
-        )
+        cells = [stats.fmt_interval(r["gap_none"])]
+        for corr in ("ef", "sync-warmup"):
+            paper = f"{targets.recovered(opt, corr):.1%}" if opt in targets.TABLE2 else "n/a"
+            cells += [
+                stats.fmt_interval(r[corr]["gap"]),
+                stats.fmt_interval(r[corr]["recovered"], pct=True),
+                paper,
+            ]
+        lines.append(f"| {opt} | {' | '.join(cells)} | {lam} |")
     lower = {opt: r["lower_lr"] for opt, r in summary["optimizers"].items() if r.get("lower_lr")}
     if lower:
         lines += [
@@ -232,81 +283,6 @@ def ef_table(summary: dict[str, Any]) -> str:
 
 def _pct(x: float | None) -> str:
     return "n/a (no gap)" if x is None else f"{x:.0%}"
-
-
-# ----- depth -----------------------------------------------------------------------------------
-def analyze_depth(
-    outcomes: dict[str, RunOutcome], out: Path, optimizers: tuple[str, ...], lrs: dict[str, float]
-) -> dict[str, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows: dict[str, Any] = {}
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for opt in [o for o in ("adamw", "muon") if o in optimizers]:
-        by_p: dict[str, dict[int, float]] = defaultdict(dict)
-        for o in select(outcomes, optimizer=opt):
-            p, schedule = o.spec.labels["stages"], o.spec.labels["schedule"]
-            if schedule == "1f1b":
-                continue
-            sync = select(outcomes, optimizer=opt, schedule="1f1b", stages=p)[0]
-            name = f"{schedule}{'+EF' if o.spec.labels['correction'] == 'ef' else ''}"
-            by_p[name][p] = final_val(o) - final_val(sync)
-        rows[opt] = {k: dict(sorted(v.items())) for k, v in sorted(by_p.items())}
-        for name, gaps in rows[opt].items():
-            style = ("-" if "pipedream" in name else "--") + ("o" if "EF" in name else "s")
-            ax.plot(
-                list(gaps), list(gaps.values()), style, color=COLOURS[opt], label=f"{opt} {name}"
-            )
-    ax.axhline(0, color="grey", linewidth=0.8)
-    ax.set_xlabel("pipeline stages P")
-    ax.set_ylabel("val loss gap to sync")
-    ax.set_xscale("log", base=2)
-    depths = sorted({p for gaps_by in rows.values() for g in gaps_by.values() for p in g})
-    ax.set_xticks(depths, [str(p) for p in depths])
-    ax.minorticks_off()
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "depth_gap.png", dpi=110)
-    plt.close(fig)
-    sync_val = {
-        opt: {
-            o.spec.labels["stages"]: final_val(o)
-            for o in sorted(
-                select(outcomes, optimizer=opt, schedule="1f1b"),
-                key=lambda o: o.spec.labels["stages"],
-            )
-        }
-        for opt in rows
-    }
-    return {"gaps": rows, "sync_val": sync_val, "figures": ["depth_gap.png"]}
-
-
-def depth_table(summary: dict[str, Any]) -> str:
-    lines = ["| optimizer | schedule | gap to sync by P |", "|---|---|---|"]
-    for opt, by_p in summary.get("sync_val", {}).items():
-        text = ", ".join(f"P={p}: {v:.4f}" for p, v in by_p.items())
-        lines.append(f"| {opt} | sync (1f1b) val loss, the baseline | {text} |")
-    for opt, schedules in summary["gaps"].items():
-        for name, gaps in schedules.items():
-            text = ", ".join(f"P={p}: {g:+.4f}" for p, g in gaps.items())
-            lines.append(f"| {opt} | {name} | {text} |")
-    return "\n".join(lines)
-
-
-ANALYSES: dict[str, Callable[..., dict[str, Any]]] = {
-    "delay-vs-optimizer": analyze_delay,
-    "error-feedback": analyze_ef,
-    "depth": analyze_depth,
-}
-TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "delay-vs-optimizer": delay_table,
-    "error-feedback": ef_table,
-    "depth": depth_table,
-}
 
 
 def write_summary(out: Path, name: str, summary: dict[str, Any], table: str) -> None:

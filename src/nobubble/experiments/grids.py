@@ -4,6 +4,12 @@ Scale (see docs/results.md for the reasoning): the `tiny` model (0.72M parameter
 4096) or `mini` (2.5M, 8 layers) on the default corpus, context 128, micro-batches of 8
 sequences. Learning rates come from a sweep on the synchronous schedule per optimizer (the
 papers' protocol) and are reused unchanged by every asynchronous run.
+
+Seeds: every comparison that carries a verdict (sync vs 2bw, the corrections, every depth, paci
+vs flush) runs each of its configurations with seeds 0..seeds-1, and the report pairs them by
+seed; the full profile asks for stats.MIN_SEEDS, the fewest that carry a verdict. Side studies
+(the lam sweep, the lower learning rates, the measured wall-clock pair) run seed 0 only and
+carry none.
 """
 
 from __future__ import annotations
@@ -12,16 +18,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nobubble.experiments.runner import RunSpec
+from nobubble.experiments.stats import MIN_SEEDS
 
 
 @dataclass(frozen=True)
 class Profile:
-    """Sizes of one experiment run; ``quick`` is the CI smoke-test version."""
+    """Sizes of one experiment run; ``quick`` is the CI smoke-test version.
+
+    seeds: seeds per configuration when ``--seeds`` is not given.
+    """
 
     name: str
     base: dict[str, Any]
     optimizers: tuple[str, ...]
     lr_grid: dict[str, tuple[float, ...]]
+    seeds: int
     depths: tuple[int, ...] = (2, 4, 8)
     accums: tuple[int, ...] = (2, 4, 8)
     lambdas: tuple[float, ...] = (0.5, 2.0)
@@ -60,6 +71,7 @@ FULL = Profile(
         "nadam": (3e-3, 1e-2, 3e-2),
         "lion": (3e-4, 1e-3, 3e-3, 1e-2),
     },
+    seeds=MIN_SEEDS,
     # The measured wall-clock pair runs `mini`: at vocab 4096 its two stages balance to 0.92
     # of each other (`small` only to 0.83: layers are indivisible), so the light stage's idling
     # does not hide the bubble that paci removes; compute still dominates (demo: 1.25x).
@@ -86,6 +98,7 @@ QUICK = Profile(
     },
     optimizers=("adamw", "muon"),
     lr_grid={"adamw": (3e-3,), "muon": (1e-2,), "nadam": (3e-3,), "lion": (1e-3,)},
+    seeds=1,  # a smoke test: its verdicts read "inconclusive (1 seed)"
     depths=(2, 4),
     accums=(2, 4),
     extra={"depth_microbatches": 4},
@@ -239,43 +252,37 @@ def depth(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
     One update batch everywhere (m micro-batches of b sequences, m = the largest P since 2bw
     needs M >= P-1): pipedream steps after every micro-batch of m*b sequences, the others after
     m micro-batches of b. Clipping is per stage for every schedule here (asynchronous schedules
-    cannot clip globally), so each P has its own synchronous baseline.
+    cannot clip globally), so each P has its own synchronous baseline, paired by seed.
     """
     # m does not follow --depths, so a run means the same whichever depths are asked for
     b, m = profile.extra.get("depth_micro_batch", 2), profile.extra.get("depth_microbatches", 8)
     per = {"micro_batch_size": b, "microbatches": m}
     pd = {"micro_batch_size": b * m, "microbatches": 1, "accum": 1}
+    model = profile.extra.get("depth_model", profile.base["model"])
+    # (schedule, correction, batch shape); 2bw's delay is 1 at every P, its EF runs are in
+    # error-feedback
+    runs = (
+        ("1f1b", "none", per),
+        ("pipedream", "none", pd),
+        ("pipedream", "ef", pd),
+        ("2bw", "none", per),
+    )
     specs = []
     for opt in [o for o in ("adamw", "muon") if o in profile.optimizers]:
-        model = profile.extra.get("depth_model", profile.base["model"])
         common = {"optimizer": opt, "lr": lrs[opt], "model": model, "clip_scope": "stage"}
         for p in profile.depths:
-            specs.append(
-                RunSpec(
-                    f"depth-1f1b-{opt}-P{p}",
-                    {**common, **per, "schedule": "1f1b", "stages": p},
-                    {"optimizer": opt, "schedule": "1f1b", "stages": p},
-                )
-            )
-            for corr in ("none", "ef"):
-                specs.append(
-                    RunSpec(
-                        f"depth-pipedream-{corr}-{opt}-P{p}",
-                        {**common, **pd, "schedule": "pipedream", "stages": p, "correction": corr},
-                        {
-                            "optimizer": opt,
-                            "schedule": "pipedream",
-                            "stages": p,
-                            "correction": corr,
-                        },
-                    )
-                )
-                if corr == "none":  # 2bw's delay is 1 at every P; its EF runs are in error-feedback
+            for seed in range(seeds):
+                for schedule, corr, shape in runs:
+                    name = "1f1b" if schedule == "1f1b" else f"{schedule}-{corr}"
+                    settings = {**common, **shape, "schedule": schedule, "stages": p}
+                    labels = {"optimizer": opt, "schedule": schedule, "stages": p, "seed": seed}
+                    if schedule != "1f1b":
+                        settings["correction"] = labels["correction"] = corr
                     specs.append(
                         RunSpec(
-                            f"depth-2bw-{corr}-{opt}-P{p}",
-                            {**common, **per, "schedule": "2bw", "stages": p, "correction": corr},
-                            {"optimizer": opt, "schedule": "2bw", "stages": p, "correction": corr},
+                            f"depth-{name}-{opt}-P{p}-s{seed}",
+                            {**settings, "seed": seed},
+                            labels,
                         )
                     )
     return specs
@@ -289,20 +296,15 @@ def paci(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
         accums = profile.accums if opt == "adamw" else (4,)
         for a in accums:
             common = {"optimizer": opt, "lr": lrs[opt], "stages": 4, "clip": 0.0}
-            specs.append(
-                RunSpec(
-                    f"paci-flush-{opt}-a{a}",
-                    {**common, "schedule": "1f1b", "microbatches": a},
-                    {"optimizer": opt, "schedule": "1f1b", "a": a},
-                )
-            )
-            specs.append(
-                RunSpec(
-                    f"paci-paci-{opt}-a{a}",
-                    {**common, "schedule": "paci", "microbatches": a},
-                    {"optimizer": opt, "schedule": "paci", "a": a},
-                )
-            )
+            for seed in range(seeds):
+                for schedule, name in (("1f1b", "flush"), ("paci", "paci")):
+                    specs.append(
+                        RunSpec(
+                            f"paci-{name}-{opt}-a{a}-s{seed}",
+                            {**common, "schedule": schedule, "microbatches": a, "seed": seed},
+                            {"optimizer": opt, "schedule": schedule, "a": a, "seed": seed},
+                        )
+                    )
     # Side study: AdamW's paci-vs-flush difference at smaller steps (a=4), since a forward
     # that crossed an update differs from its backward's weights by one whole update.
     if "adamw" in profile.optimizers:

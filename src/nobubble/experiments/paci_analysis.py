@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from nobubble.experiments.analysis import _curves, final_val, select
+from nobubble.experiments import stats
+from nobubble.experiments.analysis import FORMAT, _curves, _ms, final_val, mean_std, select
 from nobubble.experiments.runner import RunOutcome
 
 
@@ -79,16 +80,25 @@ def analyze_paci(
 ) -> dict[str, Any]:
     pairs = []
     costs_cache: dict[int, tuple[list[float], list[float]]] = {}
-    for flush in select(outcomes, schedule="1f1b"):
-        labels = flush.spec.labels
-        if labels.get("runtime") == "dist":
+    emulated = [o for o in select(outcomes) if o.spec.labels.get("runtime") != "dist"]
+    configs = sorted(
+        {(o.spec.labels["optimizer"], o.spec.labels["a"]) for o in emulated},
+        key=lambda c: (optimizers.index(c[0]) if c[0] in optimizers else len(optimizers), c[1]),
+    )
+    for opt, a in configs:
+        by_schedule = {
+            schedule: {
+                o.spec.labels["seed"]: o
+                for o in select(emulated, optimizer=opt, a=a, schedule=schedule)
+            }
+            for schedule in ("1f1b", "paci")
+        }
+        seeds = sorted(set(by_schedule["1f1b"]) & set(by_schedule["paci"]))
+        if not seeds:
             continue
-        a, opt = labels["a"], labels["optimizer"]
-        paci = select(outcomes, schedule="paci", a=a, optimizer=opt)
-        paci = [p for p in paci if p.spec.labels.get("runtime") != "dist"]
-        if not paci:
-            continue
-        p = paci[0]
+        # time to target, drift and memory from the lowest seed's pair (drift and memory do not
+        # depend on the seed; the time is one run's)
+        flush, p = by_schedule["1f1b"][seeds[0]], by_schedule["paci"][seeds[0]]
         target = max(
             min(r["val_loss"] for r in run.metrics if r.get("val_loss") is not None)
             for run in (flush, p)
@@ -101,14 +111,16 @@ def analyze_paci(
             for k, run in (("flush", flush), ("paci", p))
         }
         ledger = json.loads((p.run_dir / "ledger.json").read_text())
+        val = {k: {s: final_val(by_schedule[k][s]) for s in seeds} for k in by_schedule}
         pairs.append(
             {
                 "optimizer": opt,
                 "a": a,
                 "stages": flush.spec.overrides["stages"],
-                "val_flush": final_val(flush),
-                "val_paci": final_val(p),
-                "diff": final_val(p) - final_val(flush),
+                "val_flush": mean_std(list(val["1f1b"].values())),
+                "val_paci": mean_std(list(val["paci"].values())),
+                "diff": stats.paired(val["paci"], val["1f1b"]),
+                "timed_seed": seeds[0],
                 "target": target,
                 "steps_to_target": steps,
                 "projected_s": proj,
@@ -164,6 +176,7 @@ def analyze_paci(
                 }
             )
     return {
+        "format": FORMAT,
         "pairs": pairs,
         "lower_lr": sorted(lower_lr, key=lambda r: -r["lr"]),
         "measured": measured,
@@ -228,6 +241,9 @@ def _drift_figure(path: Path, pairs: list[dict[str, Any]]) -> None:
 
 def paci_table(summary: dict[str, Any]) -> str:
     lines = [
+        f"paci - flush paired by seed: mean [{stats.CONFIDENCE:.0%} CI] (n seeds). Time to "
+        "target, drift and memory: the pair of the lowest seed.",
+        "",
         "| optimizer | a | flush val | paci val | paci - flush | steps to target "
         "(flush / paci) | projected speed-up | ideal (a+P-1)/a | max crossed per stage "
         "| peak activation MB stage 0 (flush / paci) |",
@@ -236,8 +252,8 @@ def paci_table(summary: dict[str, Any]) -> str:
     for p in summary["pairs"]:
         mb = [x[0] / 1e6 for x in p["peak_activation_bytes"].values()]
         lines.append(
-            f"| {p['optimizer']} | {p['a']} | {p['val_flush']:.4f} | {p['val_paci']:.4f} | "
-            f"{p['diff']:+.4f} | {p['steps_to_target']['flush']} / "
+            f"| {p['optimizer']} | {p['a']} | {_ms(p['val_flush'])} | {_ms(p['val_paci'])} | "
+            f"{stats.fmt_interval(p['diff'])} | {p['steps_to_target']['flush']} / "
             f"{p['steps_to_target']['paci']} | {p['projected_speedup']:.2f}x | "
             f"{p['ideal_speedup']:.2f}x | {p['max_crossed']} | {mb[0]:.1f} / {mb[1]:.1f} |"
         )
@@ -257,7 +273,7 @@ def paci_table(summary: dict[str, Any]) -> str:
     if m:
         lines += [
             "",
-            "Measured on 2 real processes (model "
+            "Measured on 2 real processes, one run each (a measurement, no verdict; model "
             f"{m['model']}, a=M=4): seconds to val loss {m['target']:.4f}: "
             f"flush {m['seconds_to_target']['1f1b']}, paci {m['seconds_to_target']['paci']}"
             f", speed-up {m['speedup'] if m['speedup'] is None else round(m['speedup'], 2)}"

@@ -1,9 +1,11 @@
 """Run a grid of training runs: one subprocess each, a few at a time, resumable.
 
-Every run has a key and a directory ``OUT/runs/KEY``. A run whose ``summary.json`` exists is
-finished and skipped; one with a checkpoint is resumed; a directory with neither (a run killed
-before its first checkpoint) is started again. Runs marked ``exclusive`` (wall-clock
-measurements) run alone, after the others.
+Every run has a key, its readable name plus a hash of its resolved config and of the training
+code (keys.py), and a directory ``OUT/runs/KEY``. A run whose ``summary.json`` exists is
+finished and reused; one with a checkpoint is resumed; a directory with neither (a run killed
+before its first checkpoint) is started again. A changed setting or a changed training code
+gives a new key, so an old run is never taken for a new one. Runs marked ``exclusive``
+(wall-clock measurements) run alone, after the others.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.errors import NobubbleError
+from nobubble.experiments import keys
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    key: str
+    """One run of a grid: a readable name, its settings on top of the grid's base, and the
+    labels the analysis selects it by."""
+
+    name: str
     overrides: dict[str, Any]
     labels: dict[str, Any] = field(default_factory=dict)
     exclusive: bool = False
@@ -48,8 +54,16 @@ def _load(spec: RunSpec, run_dir: Path) -> RunOutcome:
     return RunOutcome(spec, run_dir, summary, [json.loads(x) for x in lines if x.strip()])
 
 
-def _run_one(spec: RunSpec, base: dict[str, Any], runs_dir: Path) -> RunOutcome:
-    run_dir = runs_dir / spec.key
+def run_key(spec: RunSpec, base: dict[str, Any], code: str | None = None) -> str:
+    """The key (and folder name) of ``spec``'s run: ``NAME-HASH``, see keys.py."""
+    config = keys.keyed_config(base, spec.overrides)
+    return keys.run_key(spec.name, config, keys.code_version() if code is None else code)
+
+
+def _run_one(
+    spec: RunSpec, key: str, code: str, base: dict[str, Any], runs_dir: Path
+) -> RunOutcome:
+    run_dir = runs_dir / key
     if (run_dir / "summary.json").exists():
         return _load(spec, run_dir)
     config = {**base, **spec.overrides, "progress": False}
@@ -59,9 +73,9 @@ def _run_one(spec: RunSpec, base: dict[str, Any], runs_dir: Path) -> RunOutcome:
         shutil.rmtree(run_dir, ignore_errors=True)  # never checkpointed: start again
         config.update(out=str(run_dir), resume=None)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    config_file = runs_dir / f".{spec.key}.json"
+    config_file = runs_dir / f".{key}.json"
     config_file.write_text(json.dumps(config))
-    log_file = runs_dir / f"{spec.key}.log"
+    log_file = runs_dir / f"{key}.log"
     with log_file.open("w") as log_out:
         proc = subprocess.run(
             [sys.executable, "-m", "nobubble", "train", "--config", str(config_file)],
@@ -72,10 +86,13 @@ def _run_one(spec: RunSpec, base: dict[str, Any], runs_dir: Path) -> RunOutcome:
     if proc.returncode != 0:
         tail = log_file.read_text().splitlines()[-5:]
         raise NobubbleError(
-            f"run {spec.key} failed (status {proc.returncode}); its log "
+            f"run {key} failed (status {proc.returncode}); its log "
             f"{log_file} ends with:\n" + "\n".join(tail)
         )
     config_file.unlink()
+    (run_dir / "key.json").write_text(  # what the key's hash covers, for the record
+        json.dumps({"config": keys.keyed_config(base, spec.overrides), "code": code}, indent=1)
+    )
     # The run is finished (summary.json exists): its checkpoint only served resuming it.
     shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
     return _load(spec, run_dir)
@@ -91,32 +108,34 @@ def run_grid(
 ) -> dict[str, RunOutcome]:
     """Run (or reuse) every spec in ``runs_dir/KEY``; ``jobs`` at a time, exclusive ones alone.
 
-    Experiments share one runs folder, so a run that two experiments need (same key, same
-    settings) runs once.
+    Experiments share one runs folder, so a run that two experiments need (same name, same
+    settings, same code: same key) runs once. Outcomes are keyed by run name.
     """
     from tqdm import tqdm
 
     specs = list(specs)
-    keys = [s.key for s in specs]
-    if len(set(keys)) != len(keys):
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
         raise ValueError(
-            f"duplicate run keys in the grid: {sorted(k for k in keys if keys.count(k) > 1)}"
+            f"duplicate run names in the grid: {sorted(n for n in names if names.count(n) > 1)}"
         )
+    code = keys.code_version()
+    key = {s.name: run_key(s, base, code) for s in specs}
     outcomes: dict[str, RunOutcome] = {}
     shared = [s for s in specs if not s.exclusive]
     alone = [s for s in specs if s.exclusive]
     bar = tqdm(total=len(specs), desc=desc, unit="run", disable=not progress)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(_run_one, s, base, runs_dir): s for s in shared}
+        futures = [pool.submit(_run_one, s, key[s.name], code, base, runs_dir) for s in shared]
         for future in as_completed(futures):
             outcome = future.result()
-            outcomes[outcome.spec.key] = outcome
-            bar.set_postfix_str(outcome.spec.key)
+            outcomes[outcome.spec.name] = outcome
+            bar.set_postfix_str(outcome.spec.name)
             bar.update(1)
     for spec in alone:
-        outcomes[spec.key] = _run_one(spec, base, runs_dir)
-        bar.set_postfix_str(spec.key)
+        outcomes[spec.name] = _run_one(spec, key[spec.name], code, base, runs_dir)
+        bar.set_postfix_str(spec.name)
         bar.update(1)
     bar.close()
     log.info("%s: %d runs ready in %.0f s", desc, len(specs), time.perf_counter() - t0)
