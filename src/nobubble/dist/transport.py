@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.comm import COLLECTIVES, GATHER, RECV, SEND, Batch
+from nobubble.comm import COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch
 from nobubble.ir import Action
 from nobubble.placement import rank_of
 from nobubble.optim import sum_over_stages
@@ -134,7 +134,7 @@ class DistTransport:
 
     def _skip_drain(self) -> None:
         batch = self._next_batch(self.position)
-        if batch is not None and batch.ops[0].kind in COLLECTIVES and batch.ops[0].kind != GATHER:
+        if batch is not None and batch.ops[0].kind == DRAIN:  # the runtime meets there itself
             self.cursor += 1
 
     def _launch(self, ops: list[dist.P2POp]) -> Handle:
