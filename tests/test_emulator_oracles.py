@@ -33,7 +33,7 @@ from _reference import (
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker, build_workers
 from nobubble.ir import Schedule
 from nobubble.ledger import Ledger, build_ledger
-from nobubble.model import build_model, split_model
+from nobubble.model import build_model, lm_loss, split_model
 from nobubble.optim import DelayCorrection, ErrorFeedback, NoCorrection, build_optimizer, lr_at
 from nobubble.schedules import build_schedule
 from nobubble.validate import validate
@@ -95,6 +95,7 @@ def emulate(
         clip_norm=clip_norm,
         autocast_dtype=autocast_dtype,
         recompute=recompute,
+        loss_fn=lm_loss,
     )
     transport = InProcessTransport(num_stages)
     interpreters = [Interpreter(w, transport, num_stages, global_clip) for w in workers]

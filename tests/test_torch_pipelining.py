@@ -156,6 +156,7 @@ def emulator_grads(cfg: TrainConfig, schedule: str) -> dict[str, torch.Tensor]:
             NoCorrection(),
             lambda m: data.train_microbatch(m, cfg.micro_batch_size),
             lambda j: lr_at(j, cfg.steps, optim_cfg),
+            loss_fn=lm_loss,
         )
         for module in make_stages(plan)
     ]

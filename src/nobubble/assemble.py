@@ -21,6 +21,7 @@ from nobubble.model import (
     StageModule,
     build_model,
     describe_partition,
+    lm_loss,
     model_config,
     partition_layers,
     split_model,
@@ -143,4 +144,5 @@ def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker
         clip_norm=optim_cfg.clip_norm,
         autocast_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
         recompute=cfg.paci_recompute,
+        loss_fn=lm_loss,
     )

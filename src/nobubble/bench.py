@@ -18,7 +18,7 @@ import torch
 
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
 from nobubble.ledger import build_ledger
-from nobubble.model import build_model, model_config, partition_layers, split_model
+from nobubble.model import build_model, lm_loss, model_config, partition_layers, split_model
 from nobubble.optim import NoCorrection, OptimConfig, build_optimizer
 from nobubble.schedules import build_schedule
 
@@ -94,6 +94,7 @@ def emulator_steps(cfg: EmulatorBench, name: str) -> list[float]:
             NoCorrection(),
             batch,
             lambda j: ocfg.lr,
+            loss_fn=lm_loss,
         )
         for s, m in enumerate(stages)
     ]

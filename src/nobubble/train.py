@@ -192,7 +192,7 @@ class Trainer:
         record = {
             "step": step,
             "loss": sum(losses) / len(losses),
-            "lr": self.workers[0].lr_fn(step - 1),
+            "lr": self.workers[0].lr_of(step),
             "tokens": step * self.cfg.tokens_per_step,
             "elapsed_s": self.elapsed_offset + time.perf_counter() - self.t0,
             "grad_norm": [w.grad_norms.pop(step) for w in self.workers],

@@ -257,7 +257,7 @@ class RankRun:
         for j in done:
             losses = self.worker.pop_losses(range((j - 1) * m, j * m))
             record = {"step": j, "loss": sum(losses) / len(losses),
-                      "lr": self.worker.lr_fn(j - 1), "tokens": j * self.cfg.tokens_per_step,
+                      "lr": self.worker.lr_of(j), "tokens": j * self.cfg.tokens_per_step,
                       "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
                       "grad_norm": [g["grad_norms"][j] for g in gathered]}
             if j == step:  # the drain point: validation and the segment's measured timeline

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from nobubble.exec.emulator import Emulator
 from nobubble.exec.interpreter import Interpreter
 from nobubble.exec.transport import InProcessTransport, Transport
 from nobubble.exec.versions import WeightVersions, alias
-from nobubble.exec.worker import Batch, StageWorker, misplaced
+from nobubble.exec.worker import Batch, LossFn, StageWorker, misplaced
 from nobubble.ir import Schedule
 from nobubble.ledger import Ledger
-from nobubble.model import StageModule
 from nobubble.optim import DelayCorrection, StageOptimizer
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
 def build_workers(
     schedule: Schedule,
     ledger: Ledger,
-    stages: list[StageModule],
+    stages: list[nn.Module],
     optimizers: list[StageOptimizer],
     corrections: list[DelayCorrection],
     batch_fn: Callable[[int], Batch],
@@ -41,6 +41,7 @@ def build_workers(
     clip_norm: float | None,
     autocast_dtype: torch.dtype | None = None,
     recompute: bool = False,
+    loss_fn: LossFn | None = None,
 ) -> list[StageWorker]:
     return [
         StageWorker(
@@ -54,6 +55,7 @@ def build_workers(
             clip_norm,
             autocast_dtype,
             recompute,
+            loss_fn=loss_fn,
         )
         for s, module in enumerate(stages)
     ]

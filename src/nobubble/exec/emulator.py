@@ -27,6 +27,8 @@ class Emulator:
         self.schedule, self.interpreters, self.transport = schedule, interpreters, transport
         self.pointer = [self._position_after_step(r, start_step) for r in range(schedule.num_ranks)]
         self.on_step: Callable[[Action], None] | None = None
+        # optional gate: an action runs only once it says yes (the API: its batch was fed)
+        self.available: Callable[[Action], bool] | None = None
 
     def _position_after_step(self, rank: int, step: int) -> int:
         if step == 0:
@@ -35,6 +37,8 @@ class Emulator:
         return next(i + 1 for i, a in enumerate(order) if a.kind == STEP and a.number == step)
 
     def _ready(self, action: Action) -> bool:
+        if self.available is not None and not self.available(action):
+            return False
         if action.kind == STEP:
             global_clip = self.interpreters[action.stage].global_clip
             return not global_clip or self.transport.reduce_ready(action.number)
@@ -45,6 +49,16 @@ class Emulator:
         """Run every rank through its STEP ``until_step`` (a drain point, or the last step)."""
         num_ranks = self.schedule.num_ranks
         stop = [self._position_after_step(r, until_step) for r in range(num_ranks)]
+        self._drive(stop)
+        stuck = [r for r in range(num_ranks) if self.pointer[r] < stop[r]]
+        assert not stuck, f"emulator stuck at {[(r, self.pointer[r]) for r in stuck]} (validate?)"
+
+    def advance(self) -> None:
+        """Run every action that can run now (inputs here, ``available`` says yes)."""
+        self._drive([len(order) for order in self.schedule.ranks])
+
+    def _drive(self, stop: list[int]) -> None:
+        num_ranks = self.schedule.num_ranks
         pending = list(range(num_ranks - 1, -1, -1))
         queued = [True] * num_ranks
         while pending:
@@ -62,5 +76,3 @@ class Emulator:
                     if not queued[other] and self.pointer[other] < stop[other]:
                         queued[other] = True
                         pending.append(other)
-        stuck = [r for r in range(num_ranks) if self.pointer[r] < stop[r]]
-        assert not stuck, f"emulator stuck at {[(r, self.pointer[r]) for r in stuck]} (validate?)"

@@ -44,11 +44,34 @@ class WeightVersions:
     ) -> None:
         self.named = named
         self.current = current
-        self.reads_left: Counter[int] = Counter(ledger.fwd_version)
-        if schedule.backward_rule == "stashed":
-            self.reads_left.update(ledger.bwd_version)
+        self.reads_left = self._reads(schedule, ledger)
+        self.reads_done: Counter[int] = Counter()
         self.live: dict[int, dict[str, torch.Tensor]] = {current: self._aliases()}
         self.peak_live = 1
+
+    @staticmethod
+    def _reads(schedule: Schedule, ledger: StageLedger) -> Counter[int]:
+        reads: Counter[int] = Counter(ledger.fwd_version)
+        if schedule.backward_rule == "stashed":
+            reads.update(ledger.bwd_version)
+        return reads
+
+    def extend(self, schedule: Schedule, ledger: StageLedger) -> None:
+        """Go on under a longer schedule whose actions so far are the ones already run.
+
+        The reads left become the new ledger's minus the ones done. A version the new ledger
+        still reads must not have been freed (or moved) already under the shorter horizon.
+        """
+        reads = self._reads(schedule, ledger)
+        reads.subtract(self.reads_done)
+        lost = [v for v, n in reads.items() if n > 0 and v <= self.current and v not in self.live]
+        if lost or any(n < 0 for n in reads.values()):
+            raise RuntimeError(
+                f"the longer schedule reads versions {lost} this stage already freed: its "
+                "actions so far differ from those run (a schedule generator that is not "
+                "prefix-stable)"
+            )
+        self.reads_left = reads
 
     def _aliases(self) -> dict[str, torch.Tensor]:
         return {name: alias(p) for name, p in self.named}
@@ -60,6 +83,7 @@ class WeightVersions:
     def consumed(self, version: int) -> None:
         """One read of ``version`` happened; free it once nobody will read it again."""
         self.reads_left[version] -= 1
+        self.reads_done[version] += 1
         if self.reads_left[version] == 0 and version != self.current:
             del self.live[version]
 
@@ -67,8 +91,10 @@ class WeightVersions:
         """Drop the reads of micro-batches < ``microbatch`` (a resumed run starts there)."""
         for m in range(microbatch):
             self.reads_left[ledger.fwd_version[m]] -= 1
+            self.reads_done[ledger.fwd_version[m]] += 1
             if stashed:
                 self.reads_left[ledger.bwd_version[m]] -= 1
+                self.reads_done[ledger.bwd_version[m]] += 1
 
     def before_update(self) -> None:
         """Called right before the optimizer updates the master in place."""

@@ -10,17 +10,28 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.func import functional_call
 
+from nobubble.exec.tree import (
+    BoundarySpec,
+    Tree,
+    call_args,
+    detached,
+    differentiable,
+    moved,
+    non_tensor_leaves,
+    pack_grads,
+    unpack_grads,
+)
 from nobubble.exec.versions import WeightVersions
 from nobubble.ir import Schedule
 from nobubble.ledger import StageLedger
-from nobubble.model import StageModule
 from nobubble.optim import (
     DelayCorrection,
     StageOptimizer,
@@ -30,7 +41,8 @@ from nobubble.optim import (
     scale_grads_,
 )
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Tree, Tree]  # (inputs of stage 0, targets of the loss)
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def expect_device(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
@@ -52,6 +64,17 @@ def misplaced(tree: Any, device: torch.device, path: str = "state") -> list[str]
     return []
 
 
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a nested dict/list/tuple (a batch's inputs or targets)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in _tensors(v)]
+    return []
+
+
 def to_device(tree: Any, device: torch.device) -> Any:
     """Every tensor of a nested dict/list/tuple moved to ``device`` (checkpoint state)."""
     if isinstance(tree, torch.Tensor):
@@ -69,8 +92,8 @@ class Saved:
 
     version: int
     weights: dict[str, torch.Tensor]  # the alias leaves the graph was built on
-    inputs: torch.Tensor  # stage input: token ids on stage 0, a grad-requiring leaf elsewhere
-    output: torch.Tensor | None  # None in recompute mode (the graph is rebuilt at backward)
+    inputs: Tree  # stage input: the batch's on stage 0, grad-requiring leaves elsewhere
+    output: Tree | None  # None in recompute mode (the graph is rebuilt at backward)
     activation_bytes: int  # autograd's saved tensors (the stage input alone when recomputing)
 
 
@@ -103,25 +126,44 @@ def accumulate_grads(
 
 
 class StageWorker:
+    """One stage: ``module`` is stage ``ledger.stage`` of ``schedule.num_stages``.
+
+    The module is called with its input (a tensor, or a tuple / dict of tensors: see
+    ``exec.tree``); the first stage's input is the batch's, the others' the previous stage's
+    output. The last stage's output goes through ``loss_fn(output, targets)``, which returns the
+    scalar loss of the micro-batch.
+    """
+
     def __init__(
         self,
-        module: StageModule,
+        module: nn.Module,
         schedule: Schedule,
         ledger: StageLedger,
         optimizer: StageOptimizer,
         correction: DelayCorrection,
         batch_fn: Callable[[int], Batch],
-        lr_fn: Callable[[int], float],
+        lr_fn: Callable[[int], float] | None,
         clip_norm: float | None = None,
         autocast_dtype: torch.dtype | None = None,
         recompute: bool = False,
+        *,
+        loss_fn: LossFn | None = None,
     ) -> None:
         self.module, self.schedule, self.ledger = module, schedule, ledger
-        self.stage = module.stage
+        self.stage, self.num_stages = ledger.stage, schedule.num_stages
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError(f"stage {self.stage} is the last stage: it needs a loss_fn")
+        self.loss_fn = loss_fn
         self.optimizer, self.correction = optimizer, correction
         self.batch_fn, self.lr_fn, self.clip_norm = batch_fn, lr_fn, clip_norm
         self.autocast_dtype, self.recompute = autocast_dtype, recompute
         self.named = list(module.named_parameters())
+        if not self.named:
+            raise ValueError(
+                f"stage {self.stage} has no parameters: a pipeline stage must own weights to "
+                "train; move a split point so that every stage holds at least one layer"
+            )
         # the stage's declared device: inputs, state and buffers must all live there
         self.device = self.named[0][1].device
         self.versions = WeightVersions(self.named, schedule, ledger)
@@ -133,6 +175,22 @@ class StageWorker:
         self.peak_saved = 0
         self.peak_activation_bytes = 0
         self.grad_norms: dict[int, float] = {}  # step -> gradient norm before clipping
+        self.in_spec: BoundarySpec | None = None  # agreed at the first micro-batch
+        self.forwards = 0  # forwards run in this schedule (they run in micro-batch order)
+        self.out_spec: BoundarySpec | None = None
+
+    def use_schedule(self, schedule: Schedule, ledger: StageLedger, fresh: bool) -> None:
+        """Run on from here under ``schedule``: a longer horizon of the same pipeline whose
+        actions so far are those already run (``fresh=False``), or, at a drain point, a new
+        segment numbered from 0 again (``fresh=True``)."""
+        assert ledger.stage == self.stage, (ledger.stage, self.stage)
+        if fresh:
+            assert not self.saved and self.backwards_in_batch == 0, "a new segment mid-batch"
+            self.versions = WeightVersions(self.named, schedule, ledger)
+            self.forwards = 0
+        else:
+            self.versions.extend(schedule, ledger)
+        self.schedule, self.ledger = schedule, ledger
 
     # ----- forward -------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -141,20 +199,30 @@ class StageWorker:
         device = self.named[0][1].device.type
         return torch.autocast(device_type=device, dtype=self.autocast_dtype)
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
+    def _to_device(self, value: Tree) -> Tree:
+        return moved(value, self.device)
 
-    def _run(self, version: int, inputs: torch.Tensor, m: int) -> torch.Tensor:
+    def _run(self, version: int, inputs: Tree, m: int, record: bool = True) -> Tree:
         weights = self.versions.get(version)
-        targets = None
-        if self.module.is_last:
-            targets = expect_device(self._to_device(self.batch_fn(m)[1]), self.device, "targets")
+        args, kwargs = call_args(inputs)
         with self.autocast(), self._count_saved(weights):
-            out = functional_call(self.module, weights, (inputs,), {"targets": targets})
-        if self.module.is_last:
-            self.losses[m] = out.detach()
-            out = out / self.schedule.num_microbatches  # the batch loss is the micro-batch mean
-        return out
+            out = functional_call(self.module, weights, args, kwargs)
+            if not self.is_last:
+                return out
+            targets = self._to_device(self.batch_fn(m)[1])
+            for t in _tensors(targets):
+                expect_device(t, self.device, "targets")
+            assert self.loss_fn is not None
+            loss = self.loss_fn(out, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + ": reduce the loss of the micro-batch to one number (e.g. its mean)"
+            )
+        if record:  # the loss of the forward; a recomputing backward does not report again
+            self.losses[m] = loss.detach()
+        return loss / self.schedule.num_microbatches  # the batch loss is the micro-batch mean
 
     def _count_saved(self, weights: dict[str, torch.Tensor]) -> Any:
         """Measure the activation bytes autograd saves for backward (weights excluded).
@@ -175,26 +243,53 @@ class StageWorker:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def forward(self, m: int, received: torch.Tensor | None) -> torch.Tensor | None:
+    def _check_boundary(
+        self, value: Tree, what: str, m: int, agreed: BoundarySpec | None
+    ) -> BoundarySpec:
+        """The spec of ``value``, checked against the one agreed at the first micro-batch."""
+        strays = non_tensor_leaves(value)
+        if strays:
+            raise TypeError(
+                f"stage {self.stage} {what} for micro-batch {m} holds {', '.join(strays)}: a "
+                "stage boundary carries tensors only (a tensor, or a tuple or dict of tensors); "
+                "recompute other values inside the next stage"
+            )
+        spec = BoundarySpec.of(value)
+        if agreed is not None and spec != agreed:
+            raise ValueError(
+                f"stage {self.stage} {what} for micro-batch {m} is {spec.describe()}, but the "
+                f"first micro-batch agreed on {agreed.describe()}: every micro-batch must keep "
+                "the shapes and dtypes of the first (equal batch sizes, fixed sequence length)"
+            )
+        return spec
+
+    def forward(self, m: int, received: Tree | None) -> Tree | None:
         """Run micro-batch m; return the activation to send on (None on the last stage)."""
         version = self.ledger.fwd_version[m]
-        if self.module.is_first:
+        if self.is_first:
             inputs = self._to_device(self.batch_fn(m)[0])
         else:
             assert received is not None, f"stage {self.stage} got no activation for {m}"
-            inputs = received.detach().requires_grad_(True)
-        expect_device(inputs, self.device, f"the input of micro-batch {m}")
+            inputs = detached(received, requires_grad=True)
+        for t in _tensors(inputs):
+            expect_device(t, self.device, f"the input of micro-batch {m}")
+        self.in_spec = self._check_boundary(inputs, "input", m, self.in_spec)
         if self.recompute:  # keep only the stage input; the graph is rebuilt at backward
             with torch.no_grad():
                 out = self._run(version, inputs, m)
-            saved_out, nbytes = None, inputs.numel() * inputs.element_size()
+            saved_out = None
+            nbytes = sum(t.numel() * t.element_size() for t in _tensors(inputs))
         else:
             out = self._run(version, inputs, m)
             saved_out, nbytes = out, self._saved_bytes
         self.saved[m] = Saved(version, self.versions.get(version), inputs, saved_out, nbytes)
         self._track_memory()
         self.versions.consumed(version)
-        return None if self.module.is_last else out.detach()
+        self.forwards += 1
+        if self.is_last:
+            return None
+        self.out_spec = self._check_boundary(out, "output", m, self.out_spec)
+        return detached(out, requires_grad=False)
 
     def _track_memory(self) -> None:
         self.peak_saved = max(self.peak_saved, len(self.saved))
@@ -202,33 +297,44 @@ class StageWorker:
         self.peak_activation_bytes = max(self.peak_activation_bytes, held)
 
     # ----- backward ------------------------------------------------------------------------
-    def backward(self, m: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, m: int, grad_out: Tree | None) -> Tree | None:
         """Backward of micro-batch m; return the gradient for the previous stage (or None)."""
         saved = self.saved.pop(m)
         version = self.ledger.bwd_version[m]
         if self.recompute:  # rebuild the graph with the weights current now (live weights)
             weights = self.versions.get(version)
-            out = self._run(version, saved.inputs, m)
+            out = self._run(version, saved.inputs, m, record=False)
         else:
             # Stashed rules: the forward's aliases hold the stash. Live rules: the aliases share
             # the master's storage, so the saved graph reads the weights as updated since.
             assert saved.output is not None
             weights, out = saved.weights, saved.output
-        if grad_out is not None:
-            expect_device(grad_out, self.device, f"the gradient of micro-batch {m}")
+        if self.is_last:
+            outputs, grad_outputs = [out], None
+        else:
+            assert grad_out is not None, f"stage {self.stage} got no gradient for {m}"
+            grad_list = unpack_grads(grad_out)
+            for g in grad_list:
+                expect_device(g, self.device, f"the gradient of micro-batch {m}")
+            outputs, grad_outputs = differentiable(out), grad_list
         leaves = list(weights.values())
-        wants_input = not self.module.is_first
-        targets = ([saved.inputs] if wants_input else []) + leaves
-        grads = torch.autograd.grad(out, targets, grad_outputs=grad_out)
-        grad_in = grads[0] if wants_input else None
+        input_leaves = [] if self.is_first else differentiable(saved.inputs)
+        grads = torch.autograd.grad(
+            outputs,
+            input_leaves + leaves,
+            grad_outputs=grad_outputs,
+            materialize_grads=True,  # an input or weight the outputs do not use gets zeros
+        )
+        grads_in = list(grads[: len(input_leaves)])
         params = [p for _, p in self.named]
-        accumulate_grads(params, grads[len(grads) - len(leaves) :], (grad_out, grad_in))
+        held = [*(grad_outputs or []), *grads_in]
+        accumulate_grads(params, grads[len(input_leaves) :], held)
         if self.schedule.backward_rule == "stashed":
             self.versions.consumed(version)
         self.backwards_in_batch += 1
-        return grad_in
+        return pack_grads(grads_in) if grads_in else None
 
-    def pop_losses(self, micro_batches: range) -> list[float]:
+    def pop_losses(self, micro_batches: Iterable[int]) -> list[float]:
         """The losses of ``micro_batches`` as floats (one host sync for all of them)."""
         values = torch.stack([self.losses.pop(m) for m in micro_batches]).float().cpu()
         return values.tolist()
@@ -272,6 +378,10 @@ class StageWorker:
         self.peak_activation_bytes = state["peak_activation_bytes"]
 
     # ----- step ----------------------------------------------------------------------------
+    def lr_of(self, step: int) -> float:
+        """The learning rate step ``step`` (1-based) applies."""
+        return self.optimizer.lr if self.lr_fn is None else self.lr_fn(step - 1)
+
     def step(self, step: int, total_sq_norm: torch.Tensor | None = None) -> None:
         """Apply batch ``step - 1``: lr, clipping, correction and optimizer, new version."""
         assert self.batch_complete, f"stage {self.stage}: step {step} before its batch finished"
@@ -285,7 +395,8 @@ class StageWorker:
         self.grad_norms[step] = norm
         if self.clip_norm is not None:
             scale_grads_(params, clip_coefficient(norm, self.clip_norm))
-        self.optimizer.set_lr(self.lr_fn(step - 1))
+        if self.lr_fn is not None:  # None: the optimizer's own learning rate, untouched
+            self.optimizer.set_lr(self.lr_fn(step - 1))
         self.versions.before_update()
         self.correction.apply(params, self.optimizer.step)
         self.optimizer.zero_grad(set_to_none=True)

@@ -10,7 +10,7 @@ from nobubble.model.config import (
     model_config,
     swiglu_hidden_dim,
 )
-from nobubble.model.gpt import GPT, build_model, init_weights
+from nobubble.model.gpt import GPT, build_model, init_weights, lm_loss
 from nobubble.model.partition import (
     StageRow,
     block_cost,
@@ -33,6 +33,7 @@ __all__ = [
     "check_layer_ranges",
     "describe_partition",
     "init_weights",
+    "lm_loss",
     "model_config",
     "partition_layers",
     "partition_rows",

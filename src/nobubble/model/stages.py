@@ -16,8 +16,10 @@ class StageModule(nn.Module):
     """Stage ``stage`` of ``num_stages``: a contiguous slice of blocks, plus the embedding on
     the first stage and the final norm, head and loss on the last (one stage: all of them).
 
-    forward(x, targets): the first stage takes token ids (B, T) int64, the others hidden states
-    (B, T, D); the last stage returns the scalar mean cross-entropy, the others hidden (B, T, D).
+    forward(x, targets=None): the first stage takes token ids (B, T) int64, the others hidden
+    states (B, T, D); the last stage returns the logits (B, T, V), or with ``targets`` the scalar
+    mean cross-entropy (``lm_loss``, the pipeline's loss function for this model); the others
+    return hidden states (B, T, D).
     """
 
     def __init__(
@@ -55,12 +57,8 @@ class StageModule(nn.Module):
         h = run_layers(self.layers, h, self.cfg)
         if not self.is_last:
             return h
-        if targets is None:
-            raise ValueError(
-                f"stage {self.stage} is the last stage and returns the loss, so it needs "
-                f"targets: call forward(x, targets) with (batch, seq) int64 token ids"
-            )
-        return lm_loss(self.head(self.norm(h)), targets)
+        logits = self.head(self.norm(h))
+        return logits if targets is None else lm_loss(logits, targets)
 
     def _check_hidden(self, x: torch.Tensor) -> None:
         if not x.is_floating_point() or x.dim() != 3 or x.shape[-1] != self.cfg.dim:

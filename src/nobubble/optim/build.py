@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -114,16 +114,20 @@ def _adam_side(cfg: OptimConfig, groups: list[dict[str, Any]]) -> torch.optim.Op
 
 
 def build_optimizer(
-    cfg: OptimConfig, named_params: Iterable[tuple[str, nn.Parameter]]
+    cfg: OptimConfig,
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    adamw_names: Collection[str] = (),
+    require_muon: bool = True,
 ) -> StageOptimizer:
     """Build one stage's optimizer over `named_params` (e.g. `stage_module.named_parameters()`).
 
-    Routing follows `route_parameters`; weight decay goes to 2-D tensors only (embedding, head
-    and hidden matrices), never to the 1-D norm gains, under every optimizer. The routing counts
-    are logged at INFO.
+    Routing follows `route_parameters` (`adamw_names`: the 2-D tensors of another model that
+    Muon must leave to AdamW, its embeddings and output heads); weight decay goes to 2-D
+    tensors only (embedding, head and hidden matrices), never to the 1-D norm gains, under
+    every optimizer. The routing counts are logged at INFO.
     """
     named = list(named_params)
-    routing = route_parameters(named, cfg.name)
+    routing = route_parameters(named, cfg.name, adamw_names, require_muon)
     logger.info("optimizer routing: %s", routing.describe())
     by_name: dict[str, Tensor] = dict(named)
     parts: dict[str, torch.optim.Optimizer] = {}

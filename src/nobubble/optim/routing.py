@@ -5,7 +5,7 @@ Both are single, named rules so that every optimizer, the logs and the tests agr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -51,14 +51,15 @@ class Routing:
         )
 
 
-def muon_group(name: str, p: Tensor) -> str:
+def muon_group(name: str, p: Tensor, adamw_names: Collection[str] = ()) -> str:
     """The routing rule of the "muon" optimizer, ordered: the first matching line decides."""
     # 1. Norm gains, biases and scalars are not matrices; orthogonalizing them is meaningless.
     if p.ndim != 2:
         return "adamw"
     # 2. The embedding is a lookup table and the head an output layer: their rows are not mixed
     #    by a matrix product of the hidden state, so Muon's spectral-norm geometry does not apply.
-    if name.startswith(("embed.", "head.")):
+    #    A model other than nobubble's GPT names its embeddings and heads in ``adamw_names``.
+    if name.startswith(("embed.", "head.")) or name in adamw_names:
         return "adamw"
     # 3. Every remaining 2-D tensor is a hidden matrix (attention wq/wk/wv/wo, MLP w1/w2/w3).
     return "muon"
@@ -69,7 +70,12 @@ def wants_weight_decay(p: Tensor) -> bool:
     return p.ndim == 2
 
 
-def route_parameters(named_params: Iterable[tuple[str, Tensor]], optimizer: str) -> Routing:
+def route_parameters(
+    named_params: Iterable[tuple[str, Tensor]],
+    optimizer: str,
+    adamw_names: Collection[str] = (),
+    require_muon: bool = True,
+) -> Routing:
     """Split `named_params` between Muon and the AdamW-side optimizer (see `muon_group`).
 
     For optimizers other than "muon" every tensor goes to the one optimizer (`Routing.adamw`).
@@ -88,9 +94,9 @@ def route_parameters(named_params: Iterable[tuple[str, Tensor]], optimizer: str)
         numel[name] = p.numel()
     if optimizer != "muon":
         return Routing(optimizer, (), tuple(numel), numel)
-    groups = [(name, muon_group(name, p)) for name, p in named]
+    groups = [(name, muon_group(name, p, adamw_names)) for name, p in named]
     muon = tuple(name for name, group in groups if group == "muon")
-    if not muon:
+    if not muon and require_muon:
         raise ValueError(
             f"optimizer='muon' found no 2-D hidden matrix among {list(numel)}: Muon would have "
             "nothing to update; use optimizer='adamw' for this parameter set"

@@ -1,0 +1,287 @@
+"""Hugging Face causal language models as pipeline stages (the optional extra ``nobubble[hf]``).
+
+A stage holds its slice of the model's modules under their own names (``model.layers.4...``,
+``lm_head.weight``) and shares them with the model: no copy is made, and training the stages
+trains the model, which ``transformers`` can then save and reload as it is. Only the hidden
+states cross a stage boundary; each stage recomputes what is cheaper to recompute than to send:
+the positions, the rotary tables and the causal mask.
+
+Supported families: the Llama family (``LlamaForCausalLM`` and the configs that share its
+layout: Mistral, Qwen2, Qwen3; SmolLM2 is a Llama config) and GPT-2. The inputs are token ids
+(batch, seq) of packed sequences, with no padding mask, as in pretraining.
+
+Tied input and output embeddings (GPT-2, SmolLM2) are one parameter in the model. Split over
+several stages, the first stage owns the embedding and the last the head: ``split`` refuses that
+unless asked with ``untie=True``, which gives the head its own copy of the weights from then on
+(a different model: ``export`` writes it with ``tie_word_embeddings`` false).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nobubble.splitting import balanced_cuts
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = (*LLAMA_LIKE, "gpt2")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def require_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "Hugging Face models need the transformers package: pip install 'nobubble[hf]'"
+        ) from exc
+    return transformers
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "model_type")
+
+
+def _folder(path: str) -> Path:
+    p = Path(path)
+    if p.is_file() and p.name == "config.json":
+        return p.parent
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(
+                f"hf:{path} is a folder without a config.json: pass a model folder saved by "
+                "transformers (save_pretrained) or a config.json"
+            )
+        return p
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        raise FileNotFoundError(
+            f"hf:{path} looks like a hub id, and there is no local folder of that name; "
+            "nobubble does not download: fetch it first (huggingface-cli download "
+            f"{path} --local-dir DIR) and pass hf:DIR"
+        )
+    raise FileNotFoundError(f"hf:{path} does not exist: pass a model folder or a config.json")
+
+
+def load_model(path: str, seed: int = 0) -> nn.Module:
+    """The causal LM at ``path`` (a local folder or its config.json), in fp32.
+
+    A folder with weights loads them; a config alone gets a random init from ``seed``.
+    Nothing is downloaded.
+    """
+    transformers = require_transformers()
+    folder = _folder(path)
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    check_family(config.model_type)
+    if any((folder / name).is_file() for name in WEIGHT_FILES):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=torch.float32
+        )
+    else:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
+
+
+def check_family(model_type: str) -> None:
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"Hugging Face model type {model_type!r} is not supported yet; supported: "
+            f"{', '.join(FAMILIES)}. Another model can pass its own list of stage modules to "
+            "nobubble.Pipeline"
+        )
+
+
+# ----- the layout of each family -----------------------------------------------------------
+def _layout(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The prefix of the repeated blocks and the blocks."""
+    model_type = model.config.model_type
+    check_family(model_type)
+    if model_type == "gpt2":
+        return "transformer.h", model.transformer.h
+    return "model.layers", model.model.layers
+
+
+def tied_names(model: nn.Module) -> tuple[str, str] | None:
+    """(embedding, head) parameter names when the model ties them (one parameter), else None."""
+    embed, head = _embedding(model), model.lm_head.weight
+    if embed.weight is not head:
+        return None
+    prefix = "transformer.wte" if model.config.model_type == "gpt2" else "model.embed_tokens"
+    return f"{prefix}.weight", "lm_head.weight"
+
+
+def _embedding(model: nn.Module) -> nn.Embedding:
+    return model.transformer.wte if model.config.model_type == "gpt2" else model.model.embed_tokens
+
+
+def _layers(blocks: nn.ModuleList, ids: Sequence[int]) -> nn.ModuleList:
+    """The blocks ``ids`` under their indices in the model (names stay the model's)."""
+    out = nn.ModuleList()
+    for i in ids:
+        out.add_module(str(i), blocks[i])
+    return out
+
+
+class _Holder(nn.Module):
+    """A plain container that gives its children the model's attribute path."""
+
+
+def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+    )
+
+
+class LlamaStage(nn.Module):
+    """Layers ``layer_ids`` of a Llama-family model, with the embedding on the first stage and
+    the final norm and head on the last; the forward is ``LlamaModel.forward``'s, cut."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        self.config, self.first, self.last = model.config, first, last
+        self.layer_ids = tuple(layer_ids)
+        inner = _Holder()
+        if first:
+            inner.embed_tokens = model.model.embed_tokens
+        inner.layers = _layers(model.model.layers, layer_ids)
+        if last:
+            inner.norm = model.model.norm
+        inner.rotary_emb = model.model.rotary_emb  # buffers only: recomputed per stage
+        self.model = inner
+        if last:
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.first else x  # (B, T, D)
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = _causal_mask(self.config, h, positions)
+        rope = self.model.rotary_emb(h, position_ids=positions)
+        for layer in self.model.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+        return self.lm_head(self.model.norm(h)) if self.last else h
+
+    def extra_repr(self) -> str:
+        return f"layers={self.layer_ids}, first={self.first}, last={self.last}"
+
+
+class GPT2Stage(nn.Module):
+    """Blocks ``layer_ids`` of a GPT-2, with the token and position embeddings on the first stage
+    and the final norm and head on the last; the forward is ``GPT2Model.forward``'s, cut."""
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        self.config, self.first, self.last = model.config, first, last
+        self.layer_ids = tuple(layer_ids)
+        inner = _Holder()
+        if first:
+            inner.wte, inner.wpe, inner.drop = (
+                model.transformer.wte,
+                model.transformer.wpe,
+                model.transformer.drop,
+            )
+        inner.h = _layers(model.transformer.h, layer_ids)
+        if last:
+            inner.ln_f = model.transformer.ln_f
+        self.transformer = inner
+        if last:
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        if self.first:
+            embeds = t.wte(x)
+            h = t.drop(embeds + t.wpe(positions))
+        else:
+            h = x
+        mask = _causal_mask(self.config, h, positions)
+        for block in t.h:
+            h = block(h, None, mask, position_ids=positions)
+        return self.lm_head(t.ln_f(h)) if self.last else h
+
+    def extra_repr(self) -> str:
+        return f"layers={self.layer_ids}, first={self.first}, last={self.last}"
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def split_hf(model: nn.Module, points: Sequence[str] | int, untie: bool = False) -> list[nn.Module]:
+    """Cut a Hugging Face causal LM before the named blocks (``["model.layers.4"]``), or into
+    ``points`` stages that balance parameters (embedding on the first, head on the last)."""
+    prefix, blocks = _layout(model)
+    n = len(blocks)
+    names = [f"{prefix}.{i}" for i in range(n)]
+    if isinstance(points, int) and not isinstance(points, bool):
+        if not 1 <= points <= n:
+            raise ValueError(
+                f"split into {points} stages, but the model has {n} blocks ({prefix}.0 .. "
+                f"{prefix}.{n - 1}): use 1 to {n} stages"
+            )
+        costs = [_numel(b) for b in blocks]
+        costs[0] += _numel(_embedding(model))
+        if tied_names(model) is None:
+            costs[-1] += model.lm_head.weight.numel()
+        starts = balanced_cuts(costs, points)
+    else:
+        starts = []
+        for point in points:
+            if point not in names:
+                raise ValueError(
+                    f"split point {point!r} names no block of this {model.config.model_type} "
+                    f"model; its blocks are {prefix}.0 .. {prefix}.{n - 1}"
+                )
+            index = names.index(point)
+            if index == 0 or (starts and index <= starts[-1]):
+                raise ValueError(
+                    f"split point {point!r} would leave a stage without blocks: list points "
+                    f"after {prefix}.0, in order, each once"
+                )
+            starts.append(index)
+    bounds = [0, *starts, n]
+    num_stages = len(bounds) - 1
+    tied = tied_names(model)
+    if tied is not None and num_stages > 1:
+        if not untie:
+            raise ValueError(
+                f"{tied[1]} is tied to {tied[0]} (one parameter), but the embedding lands on "
+                f"stage 0 and the head on stage {num_stages - 1}: pass untie=True "
+                "(--untie-embeddings) to give the head its own copy, or train on one stage"
+            )
+        untie_embeddings(model)
+    stage_cls = GPT2Stage if model.config.model_type == "gpt2" else LlamaStage
+    return [
+        stage_cls(model, range(a, b), first=s == 0, last=s == num_stages - 1)
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+    ]
+
+
+def untie_embeddings(model: nn.Module) -> None:
+    """Give the head its own copy of the tied weights; the config says so from now on."""
+    if tied_names(model) is None:
+        return
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
+def export(model: nn.Module, out: str | Path) -> Path:
+    """Write ``model`` as a transformers folder (``from_pretrained(out)`` loads it)."""
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    meta = {"written_by": "nobubble", "tie_word_embeddings": bool(model.config.tie_word_embeddings)}
+    (out / "nobubble.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return out

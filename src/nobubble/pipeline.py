@@ -1,0 +1,561 @@
+"""``nobubble.Pipeline``: a list of stage modules trained under any schedule, a batch at a time.
+
+The pipeline runs a schedule in *segments*. A segment starts with nothing in flight, at the
+start or after ``drain()``, and numbers its micro-batches, steps and weight versions from 0.
+Within a segment the schedule is generated for a horizon of steps ahead of the batches fed so far
+and regenerated with a longer horizon when the feed gets close. Every generator is prefix-stable
+(the actions before the first one that needs an unfed batch do not depend on the horizon), and
+each regeneration checks that the actions already run are the new schedule's first ones, so an
+open-ended loop runs exactly the schedule of its total length. ``drain()`` ends the segment: the
+schedule is cut at the batches fed and run to its end, so every micro-batch in flight finishes.
+The numbers are those of a schedule with a drain point there (``--eval-every``), which is how
+``nobubble train`` drains for evaluation and checkpoints.
+
+Losses are reported when the last stage's forward of a micro-batch runs: asynchronous schedules
+report a batch's losses in later calls, never an invented value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
+from nobubble.exec.tree import Tree
+from nobubble.ir import STEP, Action, Schedule
+from nobubble.ledger import Ledger, build_ledger
+from nobubble.optim import (
+    DelayCorrection,
+    ErrorFeedback,
+    NoCorrection,
+    OptimConfig,
+    StageOptimizer,
+    build_optimizer,
+)
+from nobubble.optim.config import OPTIMIZERS
+from nobubble.schedules import SCHEDULES, build_schedule, resolve_microbatches, schedule_info
+from nobubble.validate import validate
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+CORRECTIONS = ("none", "ef", "sync-warmup")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+FIRST_HORIZON = 16  # steps a segment's schedule is first generated for
+MARGIN = 2  # steps the horizon keeps ahead of the batches fed (1 suffices: tested for all)
+FORMAT = "nobubble.pipeline/1"
+
+
+@dataclass(frozen=True)
+class MicrobatchLoss:
+    """The loss of one micro-batch, as its last-stage forward computed it."""
+
+    step: int  # the optimizer step (1-based, over the pipeline's life) its gradient goes into
+    microbatch: int  # index over the pipeline's life
+    value: float
+    version: int  # updates the last stage had applied to the weights its forward read
+
+
+@dataclass
+class StepResult:
+    """What one ``Pipeline.step`` (or ``drain``) call finished."""
+
+    losses: list[MicrobatchLoss] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # optimizer steps every stage completed
+    grad_norms: dict[int, list[float]] = field(default_factory=dict)  # step -> norm per stage
+    in_flight: int = 0  # micro-batches fed whose loss has not been reported yet
+
+    @property
+    def loss(self) -> float | None:
+        """The mean of ``losses``, or None when no micro-batch finished in this call."""
+        return sum(x.value for x in self.losses) / len(self.losses) if self.losses else None
+
+
+class TorchOptimizer:
+    """A user's ``torch.optim.Optimizer`` behind the stage-optimizer face, used as returned.
+
+    ``set_lr(factor)`` scales each group's learning rate as built (an ``lr_schedule`` factor).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, factor: float) -> None:
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": "callable", "state": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("optimizer") != "callable":
+            raise ValueError(
+                f"optimizer state of {state.get('optimizer')!r} given to a pipeline built with a "
+                "callable optimizer: build the pipeline with the optimizer it was saved with"
+            )
+        self.optimizer.load_state_dict(state["state"])
+
+
+@dataclass
+class _Segment:
+    offset: int  # optimizer steps before this segment
+    schedule: Schedule
+    ledger: Ledger
+    emulator: Emulator
+    fed: int = 0  # batches fed in this segment
+    batches: dict[int, tuple[Tree, Tree]] = field(default_factory=dict)  # local micro-batch
+    done: dict[int, int] = field(default_factory=dict)  # local step -> stages that stepped
+
+
+def _check_stages(stages: Sequence[nn.Module]) -> list[nn.Module]:
+    if isinstance(stages, nn.Module) or not isinstance(stages, Sequence) or not stages:
+        raise TypeError(
+            "stages must be a non-empty list of nn.Module, one per pipeline stage (cut a model "
+            f"with nobubble.split), got {type(stages).__name__}"
+        )
+    owner: dict[int, tuple[int, str]] = {}
+    for s, module in enumerate(stages):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"stage {s} is a {type(module).__name__}, not an nn.Module")
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError(
+                f"stage {s} has no parameters: a pipeline stage must own weights to train; move "
+                "a split point so that every stage holds at least one layer"
+            )
+        for name, p in named:
+            if id(p) in owner and owner[id(p)][0] != s:
+                other, other_name = owner[id(p)]
+                raise ValueError(
+                    f"parameter {name!r} of stage {s} is also {other_name!r} of stage {other} "
+                    "(tied weights): each stage must own its weights; untie them (e.g. "
+                    "clone the output embedding) before splitting"
+                )
+            owner[id(p)] = (s, name)
+    return list(stages)
+
+
+class Pipeline:
+    """Pipeline-parallel training of ``stages`` under ``schedule``.
+
+    Arguments (keywords after ``loss_fn``):
+        stages: the stage modules, in order; stage s's output is stage s+1's input (a tensor
+            is passed as the one argument, a tuple as positional and a dict as keyword ones).
+        loss_fn: ``loss_fn(outputs, targets)``, the scalar loss of one micro-batch, on the last
+            stage. The pipeline averages it over the micro-batches of a step.
+        schedule: one of ``nobubble.SCHEDULES`` (gpipe, 1f1b, pipedream, 2bw, paci).
+        microbatches: micro-batches per optimizer step, M. ``accum`` sets the accumulation
+            factor of pipedream and paci instead (their M; default 1 and M).
+        optimizer: a name (adamw, muon, nadam, lion; muon routes the 2-D hidden matrices to Muon
+            and embeddings, output heads and 1-D tensors to AdamW) or a callable that receives
+            one stage's ``named_parameters()`` list and returns a ``torch.optim.Optimizer``,
+            used as returned.
+        lr: the learning rate of a named optimizer; ``optimizer_options`` sets the rest of
+            ``nobubble.optim.OptimConfig`` (weight_decay, betas, momentum, ...).
+        lr_schedule: ``factor(step)`` multiplying the learning rate at step index 0, 1, ...;
+            None keeps it constant.
+        clip: the largest gradient norm, over all stages together (``clip_scope="stage"``: per
+            stage); None: no clipping.
+        correction: "none", "ef" (error feedback with ``ef_lambda``) or "sync-warmup" (the first
+            ``sync_warmup`` steps flushed).
+        dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
+        recompute: paci only: keep the stage input and recompute the forward at backward.
+        runtime: "emulate" runs every stage in this process.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        loss_fn: LossFn,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int = 4,
+        accum: int | None = None,
+        optimizer: str | OptimizerFactory = "adamw",
+        lr: float = 1e-3,
+        optimizer_options: Mapping[str, Any] | None = None,
+        lr_schedule: Callable[[int], float] | None = None,
+        clip: float | None = None,
+        clip_scope: str = "global",
+        correction: str = "none",
+        ef_lambda: float = 1.0,
+        sync_warmup: int = 0,
+        dtype: str = "fp32",
+        recompute: bool = False,
+        runtime: str = "emulate",
+    ) -> None:
+        self.stages = _check_stages(stages)
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable(outputs, targets), got {loss_fn!r}")
+        self.loss_fn = loss_fn
+        info = schedule_info(schedule)
+        self.schedule_name = schedule
+        self.num_stages = len(self.stages)
+        self.microbatches = resolve_microbatches(schedule, microbatches, accum)
+        self.accum = accum
+        if runtime != "emulate":
+            raise ValueError(
+                f"runtime={runtime!r} is not available from the Python API yet: use "
+                "runtime='emulate' (same numbers), or `nobubble train --runtime dist` for the "
+                "internal GPT"
+            )
+        if correction not in CORRECTIONS:
+            raise ValueError(f"correction={correction!r} is unknown: use one of {CORRECTIONS}")
+        if correction != "none" and info.synchronous:
+            raise ValueError(
+                f"correction={correction!r} corrects asynchronous schedules; {schedule} is "
+                "synchronous: use correction='none'"
+            )
+        if correction == "sync-warmup" and not (isinstance(sync_warmup, int) and sync_warmup > 0):
+            raise ValueError(
+                f"correction='sync-warmup' needs sync_warmup >= 1 steps, got {sync_warmup!r}"
+            )
+        self.sync_warmup = sync_warmup if correction == "sync-warmup" else 0
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is unknown: use one of {tuple(DTYPES)}")
+        if recompute and schedule != "paci":
+            raise ValueError(f"recompute=True applies to paci only, not {schedule}")
+        if clip is not None and not (
+            isinstance(clip, int | float) and math.isfinite(clip) and clip > 0
+        ):
+            raise ValueError(f"clip={clip!r} is not allowed: use a finite number > 0, or None")
+        if clip_scope not in ("global", "stage"):
+            raise ValueError(f"clip_scope={clip_scope!r} is unknown: use 'global' or 'stage'")
+        self.global_clip = clip is not None and clip_scope == "global"
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise TypeError(f"lr_schedule must be callable(step) -> factor, got {lr_schedule!r}")
+
+        # a probe schedule checks the integers (P, M) with the generator's own errors
+        probe = self._generate(1, 0)
+        self.transport = InProcessTransport(self.num_stages)
+        self.workers: list[StageWorker] = []
+        for s, module in enumerate(self.stages):
+            named = list(module.named_parameters())
+            stage_opt: StageOptimizer | TorchOptimizer
+            if callable(optimizer):
+                built = optimizer(named)
+                if not isinstance(built, torch.optim.Optimizer):
+                    raise TypeError(
+                        f"the optimizer callable returned {type(built).__name__} for stage {s}: "
+                        "it must return a torch.optim.Optimizer over the parameters it was given"
+                    )
+                stage_opt = TorchOptimizer(built)
+                lr_fn = lr_schedule
+            else:
+                if optimizer not in OPTIMIZERS:
+                    raise ValueError(
+                        f"optimizer={optimizer!r} is unknown: use one of {OPTIMIZERS} or a callable"
+                    )
+                options = dict(optimizer_options or {})
+                ocfg = OptimConfig(
+                    name=optimizer, lr=lr, clip_norm=clip, warmup_frac=0.0, **options
+                )
+                stage_opt = build_optimizer(
+                    ocfg, named, adamw_names=_adamw_matrices(module), require_muon=False
+                )
+                lr_fn = _scaled(lr, lr_schedule)
+            correction_s: DelayCorrection = (
+                ErrorFeedback(ef_lambda) if correction == "ef" else NoCorrection()
+            )
+            self.workers.append(
+                StageWorker(
+                    module,
+                    probe.schedule,
+                    probe.ledger.stages[s],
+                    stage_opt,  # type: ignore[arg-type]
+                    correction_s,
+                    self._batch,
+                    lr_fn,
+                    clip_norm=clip,
+                    autocast_dtype=DTYPES[dtype],
+                    recompute=recompute,
+                    loss_fn=loss_fn if s == self.num_stages - 1 else None,
+                )
+            )
+        routed = [getattr(w.optimizer, "routing", None) for w in self.workers]
+        if optimizer == "muon" and not any(r is not None and r.muon for r in routed):
+            raise ValueError(
+                "optimizer='muon' found no 2-D hidden matrix in any stage (embeddings and "
+                "output heads go to AdamW): Muon would update nothing; use optimizer='adamw'"
+            )
+        self.step_count = 0  # optimizer steps completed by every stage, over the life
+        self.microbatch_count = 0  # micro-batches fed over the life
+        self._segment: _Segment | None = None
+        self._shown: _Segment | None = None  # the current segment, or the last one drained
+        self._finished: dict[int, list[float]] = {}  # step -> gradient norm per stage
+        self._reported = 0
+
+    # ----- schedules ---------------------------------------------------------------------------
+    def _generate(self, steps: int, offset: int) -> _Segment:
+        warmup = max(0, self.sync_warmup - offset)
+        schedule = build_schedule(
+            self.schedule_name,
+            self.num_stages,
+            self.microbatches,
+            steps,
+            self.microbatches if SCHEDULES[self.schedule_name].uses_accum else None,
+            sync_warmup=warmup,
+            max_actions=None,
+        )
+        validate(schedule)
+        return _Segment(offset, schedule, build_ledger(schedule), emulator=None)  # type: ignore[arg-type]
+
+    def _start_segment(self) -> _Segment:
+        segment = self._generate(FIRST_HORIZON, self.step_count)
+        for s, worker in enumerate(self.workers):
+            worker.use_schedule(segment.schedule, segment.ledger.stages[s], fresh=True)
+        segment.emulator = self._emulator(segment)
+        self._segment = self._shown = segment
+        return segment
+
+    def _emulator(self, segment: _Segment) -> Emulator:
+        interpreters = [
+            Interpreter(w, self.transport, self.num_stages, self.global_clip, record=False)
+            for w in self.workers
+        ]
+        emulator = Emulator(segment.schedule, interpreters, self.transport)
+        m = self.microbatches
+        emulator.available = lambda a: (
+            (a.number - 1 if a.kind == STEP else a.number // m) < segment.fed
+        )
+        emulator.on_step = self._on_step
+        return emulator
+
+    def _regenerate(self, segment: _Segment, steps: int) -> None:
+        """The same segment under a schedule of ``steps`` steps (longer, or cut at the feed)."""
+        new = self._generate(steps, segment.offset)
+        done = segment.emulator.pointer
+        for r in range(self.num_stages):
+            if new.schedule.ranks[r][: done[r]] != segment.schedule.ranks[r][: done[r]]:
+                raise RuntimeError(
+                    f"the {steps}-step {self.schedule_name} schedule does not begin with the "
+                    f"actions rank {r} already ran: its generator is not prefix-stable"
+                )
+        for s, worker in enumerate(self.workers):
+            worker.use_schedule(new.schedule, new.ledger.stages[s], fresh=False)
+        segment.schedule, segment.ledger = new.schedule, new.ledger
+        segment.emulator.schedule = new.schedule
+
+    # ----- feeding -----------------------------------------------------------------------------
+    def _batch(self, m: int) -> tuple[Tree, Tree]:
+        assert self._segment is not None
+        return self._segment.batches[m]
+
+    def _split(self, inputs: Tree, targets: Tree) -> list[tuple[Tree, Tree]]:
+        m = self.microbatches
+        chunks: list[list[Tree]] = []
+        for label, value in (("inputs", inputs), ("targets", targets)):
+            chunks.append(_split_tree(value, m, label))
+        return list(zip(chunks[0], chunks[1], strict=True))
+
+    def step(self, inputs: Tree, targets: Tree) -> StepResult:
+        """Feed one optimizer step's batch and run every action it makes possible.
+
+        ``inputs`` (the first stage's) and ``targets`` (``loss_fn``'s) are split into the
+        pipeline's M micro-batches along dim 0; a tuple or dict is split leaf by leaf.
+        """
+        pieces = self._split(inputs, targets)
+        segment = self._segment or self._start_segment()
+        if segment.fed + 1 + MARGIN > segment.schedule.num_steps:
+            self._regenerate(segment, 2 * segment.schedule.num_steps)
+        base = segment.fed * self.microbatches
+        for i, piece in enumerate(pieces):
+            segment.batches[base + i] = piece
+        segment.fed += 1
+        self.microbatch_count += self.microbatches
+        segment.emulator.advance()
+        return self._result()
+
+    def drain(self) -> StepResult:
+        """Finish every micro-batch in flight: the schedule ends at the batches fed so far.
+
+        Afterwards every stage holds the same number of updates and nothing is in flight: the
+        point for evaluation and checkpoints. The next ``step`` starts a new segment.
+        """
+        segment = self._segment
+        if segment is None:
+            return StepResult()
+        if segment.fed:
+            self._regenerate(segment, segment.fed)
+            segment.emulator.run(segment.fed)
+        self._segment = None
+        assert all(not w.saved for w in self.workers)
+        return self._result()
+
+    def _on_step(self, action: Action) -> None:
+        segment = self._segment
+        assert segment is not None
+        done = segment.done
+        done[action.number] = done.get(action.number, 0) + 1
+        if done[action.number] == self.num_stages:
+            del done[action.number]
+            self.step_count = segment.offset + action.number
+            norms = [w.grad_norms.pop(action.number) for w in self.workers]
+            self._finished[self.step_count] = norms
+
+    def _result(self) -> StepResult:
+        first, last = self.workers[0], self.workers[-1]
+        segment = self._shown
+        assert segment is not None
+        # a micro-batch's data is read by stage 0's forward and the last stage's F (and B when
+        # recomputing): drop it once both have run
+        done = min(first.forwards, last.forwards)
+        for m in [m for m in segment.batches if m < done and m not in last.saved]:
+            del segment.batches[m]
+        finished = sorted(last.losses)
+        losses: list[MicrobatchLoss] = []
+        if finished:
+            values = last.pop_losses(finished)
+            m_per_step, offset = self.microbatches, segment.offset
+            ledger = segment.ledger.stages[-1]
+            for m, value in zip(finished, values, strict=True):
+                losses.append(
+                    MicrobatchLoss(
+                        step=offset + m // m_per_step + 1,
+                        microbatch=offset * m_per_step + m,
+                        value=value,
+                        version=offset + ledger.fwd_version[m],
+                    )
+                )
+        self._reported += len(losses)
+        steps, self._finished = self._finished, {}
+        return StepResult(losses, list(steps), steps, self.microbatch_count - self._reported)
+
+    # ----- state -------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        """Whether some micro-batch fed has not finished its backward yet."""
+        return self._segment is not None and any(w.saved for w in self.workers)
+
+    def _check_drained(self, what: str) -> None:
+        if self._segment is not None:
+            raise RuntimeError(
+                f"{what} needs a drained pipeline (every stage at the same version, nothing in "
+                "flight): call pipeline.drain() first"
+            )
+
+    @property
+    def ledger(self) -> Ledger | None:
+        """The version ledger of the current segment (which version every forward, backward
+        and step used), or of the last one after ``drain()``."""
+        return None if self._shown is None else self._shown.ledger
+
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights under its own parameter names (a copy, on each stage's
+        device). The master weights: in flight, the newest version of every stage."""
+        state: dict[str, torch.Tensor] = {}
+        for module in self.stages:
+            for name, tensor in module.state_dict().items():
+                state[name] = tensor.detach().clone()
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue: weights, optimizer and correction state per stage."""
+        self._check_drained("state_dict()")
+        return {
+            "format": FORMAT,
+            "schedule": self.schedule_name,
+            "num_stages": self.num_stages,
+            "microbatches": self.microbatches,
+            "step": self.step_count,
+            "microbatch": self.microbatch_count,
+            "stages": [_stage_state(w) for w in self.workers],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._check_drained("load_state_dict()")
+        if state.get("format") != FORMAT:
+            raise ValueError(
+                f"not a nobubble pipeline state (format {state.get('format')!r}, expected "
+                f"{FORMAT!r}): load the dict that Pipeline.state_dict() returned"
+            )
+        if state["num_stages"] != self.num_stages:
+            raise ValueError(
+                f"the state holds {state['num_stages']} stages, this pipeline has "
+                f"{self.num_stages}: split the model the same way it was saved"
+            )
+        for worker, part in zip(self.workers, state["stages"], strict=True):
+            ours = {n: tuple(p.shape) for n, p in worker.named}
+            theirs = {n: tuple(t.shape) for n, t in part["module"].items() if n in ours}
+            if ours != theirs:
+                differ = sorted(n for n in ours if ours[n] != theirs.get(n))
+                raise ValueError(
+                    f"stage {worker.stage}'s parameters {differ[:3]} are missing from the state "
+                    "or have other shapes: split the same model at the same points"
+                )
+        for worker, part in zip(self.workers, state["stages"], strict=True):
+            _load_stage_state(worker, part)
+        self.step_count = state["step"]
+        self.microbatch_count = self._reported = state["microbatch"]
+
+
+def _scaled(lr: float, factor: Callable[[int], float] | None) -> Callable[[int], float]:
+    if factor is None:
+        return lambda step: lr
+    return lambda step: lr * factor(step)
+
+
+def _adamw_matrices(module: nn.Module) -> set[str]:
+    """Names of the 2-D tensors Muon must not take: embedding tables and output heads."""
+    names: set[str] = set()
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, nn.Embedding):
+            names.update(f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters())
+    for name, _ in module.named_parameters():
+        parts = name.split(".")
+        if any(p in ("lm_head", "head", "output", "wte", "wpe", "embed_tokens") for p in parts):
+            names.add(name)
+    return names
+
+
+def _split_tree(value: Tree, m: int, label: str) -> list[Tree]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % m:
+            size = "a scalar" if value.dim() == 0 else f"batch dimension {value.shape[0]}"
+            raise ValueError(
+                f"{label} has {size}, which does not split into the pipeline's {m} micro-batches: "
+                f"pass a batch whose dim 0 is a multiple of {m}"
+            )
+        return list(value.chunk(m)) if m > 1 else [value]
+    if isinstance(value, dict):
+        split = {k: _split_tree(v, m, f"{label}[{k!r}]") for k, v in value.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(m)]
+    if isinstance(value, tuple | list):
+        split_l = [_split_tree(v, m, f"{label}[{j}]") for j, v in enumerate(value)]
+        return [type(value)(v[i] for v in split_l) for i in range(m)]
+    raise TypeError(
+        f"{label} is a {type(value).__name__}: pass a tensor, or a tuple or dict of tensors"
+    )
+
+
+def _stage_state(worker: StageWorker) -> dict[str, Any]:
+    return {
+        "module": {k: v.detach().clone() for k, v in worker.module.state_dict().items()},
+        "optimizer": worker.optimizer.state_dict(),
+        "correction": worker.correction.state_dict(),
+    }
+
+
+def _load_stage_state(worker: StageWorker, part: Mapping[str, Any]) -> None:
+    with torch.no_grad():
+        worker.module.load_state_dict({k: v.to(worker.device) for k, v in part["module"].items()})
+    worker.optimizer.load_state_dict(part["optimizer"])
+    worker.correction.load_state_dict(part["correction"])
+
+
+__all__ = ["MicrobatchLoss", "Pipeline", "StepResult"]

@@ -1,0 +1,119 @@
+"""``nobubble.split``: cut a model into pipeline stages that keep its parameter names.
+
+A stage is an ``nn.Sequential`` of consecutive children of the model under their own names, so
+``stage.named_parameters()`` yields the unsplit model's names (``"3.weight"``) and the stages'
+state dicts merge back into the model's. The stages share the model's modules: no copy is made,
+and training the stages trains ``model``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from torch import nn
+
+
+def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"nobubble.split cuts nn.Sequential models, not {type(model).__name__}: pass your own "
+            "list of stage modules to nobubble.Pipeline (each stage's output is the next one's "
+            "input)"
+        )
+    units = list(model.named_children())
+    if not units:
+        raise ValueError("the model has no children to split")
+    return units
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def balanced_cuts(costs: Sequence[int], num_stages: int) -> list[int]:
+    """Start index of every stage after the first: contiguous, non-empty stages whose largest
+    total cost is the smallest possible (ties: the earliest cuts)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest max cost of cutting units[:i] into k stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    cuts, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        cuts.append(i)
+    return sorted(cuts)[1:]
+
+
+def split(model: nn.Module, points: Sequence[str] | int, *, untie: bool = False) -> list[nn.Module]:
+    """Cut ``model`` into stages.
+
+    ``points`` names the children before which a new stage begins (as torch's
+    ``SplitPoint.BEGINNING``), e.g. ``["4", "8"]`` gives three stages; or it is the number of
+    stages, and the cut balances their parameter counts over the children.
+
+    A Hugging Face causal LM (``nobubble.hf``) is cut before its named blocks instead, e.g.
+    ``["model.layers.4"]``; ``untie`` gives a head tied to the embedding its own copy.
+    """
+    if hasattr(model, "config") and hasattr(model.config, "model_type"):
+        from nobubble.hf import split_hf
+
+        return split_hf(model, points, untie=untie)
+    units = _units(model)
+    names = [name for name, _ in units]
+    if isinstance(points, int) and not isinstance(points, bool):
+        if points < 1:
+            raise ValueError(f"split into {points} stages: use 1 or more")
+        if points > len(units):
+            raise ValueError(
+                f"split into {points} stages, but the model has {len(units)} children to cut "
+                f"between ({', '.join(names)}): use at most {len(units)} stages"
+            )
+        starts = balanced_cuts([_numel(m) for _, m in units], points)
+    else:
+        if isinstance(points, str) or not isinstance(points, Sequence):
+            raise TypeError(
+                f"points must be a list of child names or a number of stages, got {points!r}"
+            )
+        starts = []
+        for point in points:
+            if point not in names:
+                raise ValueError(
+                    f"split point {point!r} names no child of the model; its children are "
+                    f"{', '.join(names)}"
+                )
+            index = names.index(point)
+            if index == 0:
+                raise ValueError(
+                    f"split point {point!r} is the first child: a stage would be empty; cut "
+                    "before a later child"
+                )
+            if starts and index <= starts[-1]:
+                raise ValueError(
+                    f"split point {point!r} does not come after {names[starts[-1]]!r}: list the "
+                    "points in the model's order, each once"
+                )
+            starts.append(index)
+    bounds = [0, *starts, len(units)]
+    stages: list[nn.Module] = []
+    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+        stage = nn.Sequential(OrderedDict(units[a:b]))
+        if _numel(stage) == 0:
+            raise ValueError(
+                f"stage {s} ({', '.join(names[a:b])}) has no parameters: move a split point so "
+                "that every stage holds at least one layer with weights"
+            )
+        stages.append(stage)
+    return stages
