@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import nobubble
 from _api_reference import (
-    M,
     LiveLoop,
+    M,
     Problem,
     assert_bitwise,
     delayed_loop,
@@ -18,8 +20,6 @@ from _api_reference import (
     run_pipeline,
     weights,
 )
-
-import nobubble
 from nobubble.ledger import build_ledger
 from nobubble.model import lm_loss
 from nobubble.schedules import build_schedule

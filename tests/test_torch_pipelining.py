@@ -25,6 +25,7 @@ from nobubble.config import TrainConfig
 from nobubble.data import fetch_shakespeare
 from nobubble.dist.launch import free_port
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
+from nobubble.model import lm_loss
 from nobubble.optim import NoCorrection, build_optimizer, lr_at
 
 RTOL = 1e-6
