@@ -76,14 +76,14 @@ STEPS = 6
 @pytest.mark.parametrize("stages_n", [2, 4])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_llama_sync_pipeline_equals_plain_accumulation(schedule, stages_n):
-    pipe, losses, model = run_pipeline(LLAMA, schedule, stages_n, STEPS)
+    _, losses, model = run_pipeline(LLAMA, schedule, stages_n, STEPS)
     ref_losses, ref_weights = plain_accumulation(LLAMA, STEPS)
     assert losses == ref_losses
     assert_bitwise(weights([model]), ref_weights)  # the transformers model itself is trained
 
 
 def test_llama_2bw_equals_the_delayed_loop():
-    pipe, losses, model = run_pipeline(LLAMA, "2bw", 2, STEPS)
+    _, losses, model = run_pipeline(LLAMA, "2bw", 2, STEPS)
     ref_losses, ref_weights = delayed_loop(LLAMA, STEPS)
     assert losses == ref_losses
     assert_bitwise(weights([model]), ref_weights)
@@ -131,9 +131,9 @@ def test_export_round_trip_loads_with_transformers_and_gives_equal_logits(tmp_pa
 def test_hf_paths_fail_clearly_offline(tmp_path: Path):
     from nobubble.hf import load_model
 
-    with pytest.raises(FileNotFoundError, match="looks like a hub id.*does not download"):
+    with pytest.raises(FileNotFoundError, match=r"looks like a hub id.*does not download"):
         load_model("HuggingFaceTB/SmolLM2-135M")
-    with pytest.raises(FileNotFoundError, match="folder without a config.json"):
+    with pytest.raises(FileNotFoundError, match=r"folder without a config\.json"):
         load_model(str(tmp_path))
     llama().config.save_pretrained(tmp_path / "cfg")
     model = load_model(str(tmp_path / "cfg" / "config.json"))  # a config alone: random init

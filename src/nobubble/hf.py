@@ -18,6 +18,7 @@ unless asked with ``untie=True``, which gives the head its own copy of the weigh
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ def require_transformers() -> Any:
     return transformers
 
 
-def is_hf_model(model: nn.Module) -> bool:
+def is_hf_model(model: Any) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "model_type")
 
 
@@ -73,7 +74,7 @@ def _folder(path: str) -> Path:
     raise FileNotFoundError(f"hf:{path} does not exist: pass a model folder or a config.json")
 
 
-def load_model(path: str, seed: int = 0) -> nn.Module:
+def load_model(path: str, seed: int = 0) -> Any:
     """The causal LM at ``path`` (a local folder or its config.json), in fp32.
 
     A folder with weights loads them; a config alone gets a random init from ``seed``.
@@ -103,7 +104,7 @@ def check_family(model_type: str) -> None:
 
 
 # ----- the layout of each family -----------------------------------------------------------
-def _layout(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def _layout(model: Any) -> tuple[str, nn.ModuleList]:
     """The prefix of the repeated blocks and the blocks."""
     model_type = model.config.model_type
     check_family(model_type)
@@ -112,7 +113,7 @@ def _layout(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return "model.layers", model.model.layers
 
 
-def tied_names(model: nn.Module) -> tuple[str, str] | None:
+def tied_names(model: Any) -> tuple[str, str] | None:
     """(embedding, head) parameter names when the model ties them (one parameter), else None."""
     embed, head = _embedding(model), model.lm_head.weight
     if embed.weight is not head:
@@ -121,7 +122,7 @@ def tied_names(model: nn.Module) -> tuple[str, str] | None:
     return f"{prefix}.weight", "lm_head.weight"
 
 
-def _embedding(model: nn.Module) -> nn.Embedding:
+def _embedding(model: Any) -> nn.Embedding:
     return model.transformer.wte if model.config.model_type == "gpt2" else model.model.embed_tokens
 
 
@@ -149,7 +150,10 @@ class LlamaStage(nn.Module):
     """Layers ``layer_ids`` of a Llama-family model, with the embedding on the first stage and
     the final norm and head on the last; the forward is ``LlamaModel.forward``'s, cut."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool):
+    model: Any
+    lm_head: Any
+
+    def __init__(self, model: Any, layer_ids: Sequence[int], first: bool, last: bool):
         super().__init__()
         self.config, self.first, self.last = model.config, first, last
         self.layer_ids = tuple(layer_ids)
@@ -181,7 +185,10 @@ class GPT2Stage(nn.Module):
     """Blocks ``layer_ids`` of a GPT-2, with the token and position embeddings on the first stage
     and the final norm and head on the last; the forward is ``GPT2Model.forward``'s, cut."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], first: bool, last: bool):
+    transformer: Any
+    lm_head: Any
+
+    def __init__(self, model: Any, layer_ids: Sequence[int], first: bool, last: bool):
         super().__init__()
         self.config, self.first, self.last = model.config, first, last
         self.layer_ids = tuple(layer_ids)
@@ -220,7 +227,7 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def split_hf(model: nn.Module, points: Sequence[str] | int, untie: bool = False) -> list[nn.Module]:
+def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> list[nn.Module]:
     """Cut a Hugging Face causal LM before the named blocks (``["model.layers.4"]``), or into
     ``points`` stages that balance parameters (embedding on the first, head on the last)."""
     prefix, blocks = _layout(model)
@@ -238,6 +245,8 @@ def split_hf(model: nn.Module, points: Sequence[str] | int, untie: bool = False)
             costs[-1] += model.lm_head.weight.numel()
         starts = balanced_cuts(costs, points)
     else:
+        if isinstance(points, int | str):
+            raise TypeError(f"points must be a list of block names or a number, got {points!r}")
         starts = []
         for point in points:
             if point not in names:
@@ -266,11 +275,11 @@ def split_hf(model: nn.Module, points: Sequence[str] | int, untie: bool = False)
     stage_cls = GPT2Stage if model.config.model_type == "gpt2" else LlamaStage
     return [
         stage_cls(model, range(a, b), first=s == 0, last=s == num_stages - 1)
-        for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+        for s, (a, b) in enumerate(itertools.pairwise(bounds))
     ]
 
 
-def untie_embeddings(model: nn.Module) -> None:
+def untie_embeddings(model: Any) -> None:
     """Give the head its own copy of the tied weights; the config says so from now on."""
     if tied_names(model) is None:
         return
@@ -278,7 +287,7 @@ def untie_embeddings(model: nn.Module) -> None:
     model.config.tie_word_embeddings = False
 
 
-def export(model: nn.Module, out: str | Path) -> Path:
+def export(model: Any, out: str | Path) -> Path:
     """Write ``model`` as a transformers folder (``from_pretrained(out)`` loads it)."""
     out = Path(out)
     model.save_pretrained(out, safe_serialization=True)
