@@ -80,9 +80,14 @@ def run_pipeline(
     return pipe, [losses[m] for m in range(steps * M)], model
 
 
-def plain_accumulation(problem: Problem, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def plain_accumulation(
+    problem: Problem,
+    steps: int,
+    clip: float | None = None,
+    optimizer: Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer] = adamw,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = problem.make_model()
-    opt = adamw(list(model.named_parameters()))
+    opt = optimizer(list(model.named_parameters()))
     losses = []
     for j in range(steps):
         for i in range(M):
@@ -90,6 +95,8 @@ def plain_accumulation(problem: Problem, steps: int) -> tuple[list[float], dict[
             loss = problem.loss_fn(problem.forward(model, xs), ys)
             (loss / M).backward()
             losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, weights([model])

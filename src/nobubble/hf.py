@@ -11,9 +11,12 @@ layout: Mistral, Qwen2, Qwen3; SmolLM2 is a Llama config) and GPT-2. The inputs 
 (batch, seq) of packed sequences, with no padding mask, as in pretraining.
 
 Tied input and output embeddings (GPT-2, SmolLM2) are one parameter in the model. Split over
-several stages, the first stage owns the embedding and the last the head: ``split`` refuses that
-unless asked with ``untie=True``, which gives the head its own copy of the weights from then on
-(a different model: ``export`` writes it with ``tie_word_embeddings`` false).
+several stages, the first stage owns the embedding and the last the head, so the head gets a
+copy that the last stage declares tied (``tied_parameters``): a synchronous pipeline adds both
+copies' gradients before every step, so they take the same step and stay bitwise equal, and
+``export`` ties them again. Asynchronous schedules refuse that (the copies would be updated at
+different times); ``untie=True`` (``--untie-embeddings``) makes them two parameters from then on,
+a different model that ``export`` writes with ``tie_word_embeddings`` false.
 """
 
 from __future__ import annotations
@@ -265,18 +268,18 @@ def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> li
     num_stages = len(bounds) - 1
     tied = tied_names(model)
     if tied is not None and num_stages > 1:
-        if not untie:
-            raise ValueError(
-                f"{tied[1]} is tied to {tied[0]} (one parameter), but the embedding lands on "
-                f"stage 0 and the head on stage {num_stages - 1}: pass untie=True "
-                "(--untie-embeddings) to give the head its own copy, or train on one stage"
-            )
-        untie_embeddings(model)
+        if untie:
+            untie_embeddings(model)
+        else:  # two copies, declared tied: the pipeline adds their gradients at each step
+            model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     stage_cls = GPT2Stage if model.config.model_type == "gpt2" else LlamaStage
-    return [
+    stages: list[Any] = [
         stage_cls(model, range(a, b), first=s == 0, last=s == num_stages - 1)
         for s, (a, b) in enumerate(itertools.pairwise(bounds))
     ]
+    if tied is not None and num_stages > 1 and not untie:
+        stages[-1].tied_parameters = {tied[1]: tied[0]}
+    return stages
 
 
 def untie_embeddings(model: Any) -> None:
@@ -288,8 +291,20 @@ def untie_embeddings(model: Any) -> None:
 
 
 def export(model: Any, out: str | Path) -> Path:
-    """Write ``model`` as a transformers folder (``from_pretrained(out)`` loads it)."""
+    """Write ``model`` as a transformers folder (``from_pretrained(out)`` loads it).
+
+    A model whose config ties the embeddings and whose head was a separate copy during
+    pipelined training is tied again first; the two copies must be bitwise equal.
+    """
     out = Path(out)
+    embed = _embedding(model)
+    if model.config.tie_word_embeddings and model.lm_head.weight is not embed.weight:
+        if not torch.equal(model.lm_head.weight, embed.weight):
+            raise ValueError(
+                "the config ties lm_head.weight to the input embedding, but the two copies "
+                "differ: they were trained apart (untie=True sets tie_word_embeddings false)"
+            )
+        model.lm_head.weight = embed.weight
     model.save_pretrained(out, safe_serialization=True)
     meta = {"written_by": "nobubble", "tie_word_embeddings": bool(model.config.tie_word_embeddings)}
     (out / "nobubble.json").write_text(json.dumps(meta, indent=1) + "\n")

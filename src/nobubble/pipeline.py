@@ -27,6 +27,7 @@ from torch import nn
 
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
 from nobubble.exec.tree import Tree
+from nobubble.exec.worker import Tie
 from nobubble.ir import STEP, Action, Schedule
 from nobubble.ledger import Ledger, build_ledger
 from nobubble.optim import (
@@ -237,6 +238,15 @@ class Pipeline:
         if clip_scope not in ("global", "stage"):
             raise ValueError(f"clip_scope={clip_scope!r} is unknown: use 'global' or 'stage'")
         self.global_clip = clip is not None and clip_scope == "global"
+        self.ties = _find_ties(self.stages)
+        if self.ties and not info.synchronous:
+            a, name_a, b, name_b = self.ties[0]
+            raise ValueError(
+                f"{name_b} of stage {b} is tied to {name_a} of stage {a}; {schedule} would "
+                "update the two copies at different times: split with untie=True "
+                "(--untie-embeddings) to train them as two parameters, or use a synchronous "
+                "schedule (gpipe, 1f1b), which adds their gradients before each step"
+            )
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable(step) -> factor, got {lr_schedule!r}")
 
@@ -287,6 +297,8 @@ class Pipeline:
                     loss_fn=loss_fn if s == self.num_stages - 1 else None,
                 )
             )
+        for worker in self.workers:
+            worker.ties = list(self.ties)
         routed = [getattr(w.optimizer, "routing", None) for w in self.workers]
         if optimizer == "muon" and not any(r is not None and r.muon for r in routed):
             raise ValueError(
@@ -325,7 +337,13 @@ class Pipeline:
 
     def _emulator(self, segment: _Segment) -> Emulator:
         interpreters = [
-            Interpreter(w, self.transport, self.num_stages, self.global_clip, record=False)
+            Interpreter(
+                w,
+                self.transport,
+                self.num_stages,
+                self.global_clip or bool(self.ties),  # the stages meet at each step
+                record=False,
+            )
             for w in self.workers
         ]
         emulator = Emulator(segment.schedule, interpreters, self.transport)
@@ -502,6 +520,30 @@ class Pipeline:
             _load_stage_state(worker, part)
         self.step_count = state["step"]
         self.microbatch_count = self._reported = state["microbatch"]
+
+
+def _find_ties(stages: list[nn.Module]) -> list[Tie]:
+    """The (stage a, name a, stage b, name b) pairs, a < b, that stages declare tied in a
+    ``tied_parameters`` dict (own name -> the other copy's name); both must start equal."""
+    owner = {n: (s, p) for s, m in enumerate(stages) for n, p in m.named_parameters()}
+    ties = []
+    for s, module in enumerate(stages):
+        for name, other in getattr(module, "tied_parameters", {}).items():
+            if other not in owner or name not in owner or owner[name][0] != s:
+                raise ValueError(
+                    f"stage {s} declares {name!r} tied to {other!r}, but "
+                    + (
+                        f"no stage holds {other!r}"
+                        if other not in owner
+                        else f"it holds no {name!r}"
+                    )
+                )
+            t, p = owner[other]
+            if not torch.equal(p, owner[name][1]):
+                raise ValueError(f"tied parameters {name!r} and {other!r} start unequal")
+            a, b = sorted([(s, name), (t, other)])
+            ties.append((a[0], a[1], b[0], b[1]))
+    return sorted(ties)
 
 
 def _scaled(lr: float, factor: Callable[[int], float] | None) -> Callable[[int], float]:

@@ -67,6 +67,8 @@ class Interpreter:
         if action.kind == STEP:  # the global gradient norm is a sum over stages
             if not self.global_clip:
                 return None
+            if self.worker.ties:  # every stage's share: the tied gradients travel too
+                return self.transport.gather(action.number, action.stage)  # type: ignore[attr-defined]
             return self.transport.reduce(action.number, action.stage)
         source = remote_dependency(action, self.num_stages)
         return None if source is None else self.transport.recv(source, action.stage)
@@ -86,7 +88,7 @@ class Interpreter:
         grad_in = self.worker.backward(action.number, received)
         if self.global_clip and self.worker.batch_complete:
             step = action.number // self.worker.schedule.num_microbatches + 1
-            self.transport.contribute(step, action.stage, self.worker.grad_sq_norm())
+            self.transport.contribute(step, action.stage, self.worker.share())
         return grad_in
 
     def _step(self, action: Action, total_sq_norm: torch.Tensor | None) -> None:

@@ -7,7 +7,7 @@ names it), so the dependency rule also names every message. The torch.distribute
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -39,7 +39,7 @@ class InProcessTransport:
     def __init__(self, num_stages: int) -> None:
         self.num_stages = num_stages
         self.mailbox: dict[Action, torch.Tensor] = {}
-        self.shares: dict[int, dict[int, torch.Tensor]] = {}
+        self.shares: dict[int, dict[int, Any]] = {}
         self.reduced: dict[int, int] = {}  # step -> stages that have read the sum
 
     def send(self, producer: Action, tensor: torch.Tensor, dst_stage: int) -> None:
@@ -55,16 +55,20 @@ class InProcessTransport:
     def begin(self, action: Action) -> None:
         return None
 
-    def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
+    def contribute(self, step: int, stage: int, value: Any) -> None:
         self.shares.setdefault(step, {})[stage] = value
 
     def reduce_ready(self, step: int) -> bool:
         return len(self.shares.get(step, {})) == self.num_stages
 
     def reduce(self, step: int, stage: int) -> torch.Tensor:
+        return sum_over_stages(self.gather(step, stage))
+
+    def gather(self, step: int, stage: int) -> list[Any]:
+        """Every stage's contribution for ``step``, in stage order."""
         shares = self.shares[step]
-        total = sum_over_stages([shares[s] for s in range(self.num_stages)])
+        ordered = [shares[s] for s in range(self.num_stages)]
         self.reduced[step] = self.reduced.get(step, 0) + 1
         if self.reduced[step] == self.num_stages:  # everyone has read it
             del self.shares[step], self.reduced[step]
-        return total
+        return ordered

@@ -39,10 +39,12 @@ from nobubble.optim import (
     grad_sq_norm,
     grads_finite,
     scale_grads_,
+    sum_over_stages,
 )
 
 Batch = tuple[Tree, Tree]  # (inputs of stage 0, targets of the loss)
 LossFn = Callable[[Any, Any], torch.Tensor]
+Tie = tuple[int, str, int, str]
 
 
 def expect_device(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
@@ -177,6 +179,9 @@ class StageWorker:
         self.grad_norms: dict[int, float] = {}  # step -> gradient norm before clipping
         self.in_spec: BoundarySpec | None = None  # agreed at the first micro-batch
         self.forwards = 0  # forwards run in this schedule (they run in micro-batch order)
+        # tied parameters across stages, (stage a, name a, stage b, name b) with a < b: the
+        # same pipeline-wide list on every stage; the step adds the two gradients (see share)
+        self.ties: list[Tie] = []
         self.out_spec: BoundarySpec | None = None
 
     def use_schedule(self, schedule: Schedule, ledger: StageLedger, fresh: bool) -> None:
@@ -346,6 +351,35 @@ class StageWorker:
     def grad_sq_norm(self) -> torch.Tensor:
         return grad_sq_norm(p for _, p in self.named)
 
+    def _tied_here(self) -> list[str]:
+        return [n for t in self.ties for s, n in ((t[0], t[1]), (t[2], t[3])) if s == self.stage]
+
+    def share(self) -> Any:
+        """What this stage offers the others before a step that meets across stages: its
+        squared gradient norm, or with tied parameters (its norm without them, their grads)."""
+        if not self.ties:
+            return self.grad_sq_norm()
+        tied = set(self._tied_here())
+        grads = {n: p.grad for n, p in self.named if n in tied}
+        return grad_sq_norm(p for n, p in self.named if n not in tied), grads
+
+    def _add_tied(self, shares: list[Any]) -> torch.Tensor:
+        """Give each tied parameter of this stage the sum of both copies' gradients (lower
+        stage first, on every stage alike); return the global squared norm, each tied pair
+        counted once. Both copies then take the same step, so they stay bitwise equal."""
+        params = dict(self.named)
+        pairs = []
+        for a, name_a, b, name_b in self.ties:
+            total = shares[a][1][name_a] + shares[b][1][name_b]
+            pairs.append(total.double().pow(2).sum())
+            for stage, name in ((a, name_a), (b, name_b)):
+                if stage == self.stage:
+                    params[name].grad = total.clone()
+        squares = sum_over_stages([share[0] for share in shares])
+        for square in pairs:
+            squares = squares + square.to(squares.device)
+        return squares
+
     # ----- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything this stage needs to continue from a drain point."""
@@ -382,9 +416,16 @@ class StageWorker:
         """The learning rate step ``step`` (1-based) applies."""
         return self.optimizer.lr if self.lr_fn is None else self.lr_fn(step - 1)
 
-    def step(self, step: int, total_sq_norm: torch.Tensor | None = None) -> None:
-        """Apply batch ``step - 1``: lr, clipping, correction and optimizer, new version."""
+    def step(self, step: int, total_sq_norm: Any = None) -> None:
+        """Apply batch ``step - 1``: lr, clipping, correction and optimizer, new version.
+
+        ``total_sq_norm``: the global squared gradient norm (global clipping), or, with tied
+        parameters, every stage's ``share()`` in stage order; None: this stage's own norm.
+        """
         assert self.batch_complete, f"stage {self.stage}: step {step} before its batch finished"
+        if self.ties:
+            assert isinstance(total_sq_norm, list), "tied parameters need every stage's share"
+            total_sq_norm = self._add_tied(total_sq_norm)
         params: list[torch.Tensor] = [p for _, p in self.named]
         if not grads_finite(params):
             raise FloatingPointError(
