@@ -99,6 +99,14 @@ def test_paci_on_a_user_model_equals_the_ledger_driven_live_weight_loop(stages_n
     assert any(not torch.equal(ref.params[n], plain[n]) for n in plain)
 
 
+def test_2bw_drains_keep_the_one_step_delay():
+    """2BW's batch j reads version j-1 across a drain too: drains leave the delayed loop."""
+    pipe, losses, _ = run_pipeline(SEQ, "2bw", 2, 12, drain_every=5)
+    ref_losses, ref_weights = delayed_loop(SEQ, 12)
+    assert losses == ref_losses
+    assert_bitwise(weights(pipe.stages), ref_weights)
+
+
 def test_drain_is_a_drain_point_of_the_schedule():
     """drain() after step 5 gives the numbers of the schedule with a drain point at 5."""
     steps, every = 10, 5

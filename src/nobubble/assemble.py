@@ -33,6 +33,7 @@ from nobubble.optim import (
     build_optimizer,
     lr_at,
 )
+from nobubble.pipeline import Pipeline
 from nobubble.schedules import SCHEDULES, build_schedule
 from nobubble.validate import validate
 
@@ -119,6 +120,30 @@ def make_stages(plan: Plan) -> list[StageModule]:
 
 def make_correction(cfg: TrainConfig) -> DelayCorrection:
     return ErrorFeedback(cfg.ef_lambda) if cfg.correction == "ef" else NoCorrection()
+
+
+def make_pipeline(plan: Plan, stages: list[StageModule]) -> Pipeline:
+    """The emulated pipeline of a ``nobubble train`` run: the public API with the recipe's
+    settings (warm-up and cosine learning rate, clipping, weight decay) spelled out."""
+    cfg = plan.cfg
+    optim_cfg = cfg.optim_config()
+    return Pipeline(
+        list(stages),
+        lm_loss,
+        schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        accum=cfg.accum,
+        optimizer=cfg.optimizer,
+        lr=lambda step: lr_at(step, cfg.steps, optim_cfg),
+        optimizer_options={"weight_decay": cfg.weight_decay, "momentum": cfg.momentum},
+        clip=optim_cfg.clip_norm,
+        clip_scope="global" if cfg.global_clip else "stage",
+        correction=cfg.correction,
+        ef_lambda=cfg.ef_lambda,
+        sync_warmup=cfg.sync_warmup_steps,
+        dtype=cfg.dtype,
+        recompute=cfg.paci_recompute,
+    )
 
 
 def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker:

@@ -1,18 +1,17 @@
 """``nobubble.Pipeline``: a list of stage modules trained under any schedule, a batch at a time.
 
-The pipeline runs a schedule in *segments*. A segment starts with nothing in flight, at the
-start or after ``drain()``, and numbers its micro-batches, steps and weight versions from 0.
-Within a segment the schedule is generated for a horizon of steps ahead of the batches fed so far
-and regenerated with a longer horizon when the feed gets close. Every generator is prefix-stable
-(the actions before the first one that needs an unfed batch do not depend on the horizon), and
-each regeneration checks that the actions already run are the new schedule's first ones, so an
-open-ended loop runs exactly the schedule of its total length. ``drain()`` ends the segment: the
-schedule is cut at the batches fed and run to its end, so every micro-batch in flight finishes.
-The numbers are those of a schedule with a drain point there (``--eval-every``), which is how
-``nobubble train`` drains for evaluation and checkpoints.
+The pipeline runs one schedule over its whole life, generated for a horizon of steps ahead of
+the batches fed so far and regenerated longer when the feed gets close. Every generator is
+prefix-stable (the actions before the first one that needs an unfed batch do not depend on the
+horizon; checked for all five), and each regeneration checks that the actions already run are
+the new schedule's first ones: an open-ended loop runs exactly the schedule of its total length.
+``drain()`` regenerates the schedule with a drain point after the batches fed and runs it that
+far, so every micro-batch in flight finishes; later batches continue that schedule, which is how
+``nobubble train`` drains for evaluation and checkpoints (the weight versions continue: 2BW's
+next batch still reads the version before the last update).
 
-Losses are reported when the last stage's forward of a micro-batch runs: asynchronous schedules
-report a batch's losses in later calls, never an invented value.
+Losses are reported when the last stage's forward of a micro-batch runs; asynchronous schedules
+finish their steps in later calls. Nothing is ever invented.
 """
 
 from __future__ import annotations
@@ -112,17 +111,6 @@ class TorchOptimizer:
         self.optimizer.load_state_dict(state["state"])
 
 
-@dataclass
-class _Segment:
-    offset: int  # optimizer steps before this segment
-    schedule: Schedule
-    ledger: Ledger
-    emulator: Emulator
-    fed: int = 0  # batches fed in this segment
-    batches: dict[int, tuple[Tree, Tree]] = field(default_factory=dict)  # local micro-batch
-    done: dict[int, int] = field(default_factory=dict)  # local step -> stages that stepped
-
-
 def _check_stages(stages: Sequence[nn.Module]) -> list[nn.Module]:
     if isinstance(stages, nn.Module) or not isinstance(stages, Sequence) or not stages:
         raise TypeError(
@@ -166,7 +154,8 @@ class Pipeline:
             and embeddings, output heads and 1-D tensors to AdamW) or a callable that receives
             one stage's ``named_parameters()`` list and returns a ``torch.optim.Optimizer``,
             used as returned.
-        lr: the learning rate of a named optimizer; ``optimizer_options`` sets the rest of
+        lr: the learning rate of a named optimizer, or ``lr(step)`` giving it at each step
+            index 0, 1, ...; ``optimizer_options`` sets the rest of
             ``nobubble.optim.OptimConfig`` (weight_decay, betas, momentum, ...).
         lr_schedule: ``factor(step)`` multiplying the learning rate at step index 0, 1, ...;
             None keeps it constant.
@@ -188,7 +177,7 @@ class Pipeline:
         microbatches: int = 4,
         accum: int | None = None,
         optimizer: str | OptimizerFactory = "adamw",
-        lr: float = 1e-3,
+        lr: float | Callable[[int], float] = 1e-3,
         optimizer_options: Mapping[str, Any] | None = None,
         lr_schedule: Callable[[int], float] | None = None,
         clip: float | None = None,
@@ -250,8 +239,9 @@ class Pipeline:
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable(step) -> factor, got {lr_schedule!r}")
 
-        # a probe schedule checks the integers (P, M) with the generator's own errors
-        probe = self._generate(1, 0)
+        # the first horizon; generating it checks the integers (P, M) with the generator's errors
+        self.drains: list[int] = []  # steps after which drain() was called
+        self.schedule, self.ledger = self._generate(FIRST_HORIZON)
         self.transport = InProcessTransport(self.num_stages)
         self.workers: list[StageWorker] = []
         for s, module in enumerate(self.stages):
@@ -272,8 +262,9 @@ class Pipeline:
                         f"optimizer={optimizer!r} is unknown: use one of {OPTIMIZERS} or a callable"
                     )
                 options = dict(optimizer_options or {})
+                first_lr = lr(0) if callable(lr) else lr
                 ocfg = OptimConfig(
-                    name=optimizer, lr=lr, clip_norm=clip, warmup_frac=0.0, **options
+                    name=optimizer, lr=first_lr, clip_norm=clip, warmup_frac=0.0, **options
                 )
                 stage_opt = build_optimizer(
                     ocfg, named, adamw_names=_adamw_matrices(module), require_muon=False
@@ -285,8 +276,8 @@ class Pipeline:
             self.workers.append(
                 StageWorker(
                     module,
-                    probe.schedule,
-                    probe.ledger.stages[s],
+                    self.schedule,
+                    self.ledger.stages[s],
                     stage_opt,  # type: ignore[arg-type]
                     correction_s,
                     self._batch,
@@ -305,37 +296,30 @@ class Pipeline:
                 "optimizer='muon' found no 2-D hidden matrix in any stage (embeddings and "
                 "output heads go to AdamW): Muon would update nothing; use optimizer='adamw'"
             )
-        self.step_count = 0  # optimizer steps completed by every stage, over the life
-        self.microbatch_count = 0  # micro-batches fed over the life
-        self._segment: _Segment | None = None
-        self._shown: _Segment | None = None  # the current segment, or the last one drained
+        self.step_count = 0  # optimizer steps completed by every stage
+        self.fed = 0  # batches fed
+        self.batches: dict[int, tuple[Tree, Tree]] = {}  # micro-batch -> (inputs, targets)
+        self.done: dict[int, int] = {}  # step -> stages that have taken it
         self._finished: dict[int, list[float]] = {}  # step -> gradient norm per stage
         self._reported = 0
+        self.emulator = self._emulator(0)
 
     # ----- schedules ---------------------------------------------------------------------------
-    def _generate(self, steps: int, offset: int) -> _Segment:
-        warmup = max(0, self.sync_warmup - offset)
+    def _generate(self, steps: int) -> tuple[Schedule, Ledger]:
         schedule = build_schedule(
             self.schedule_name,
             self.num_stages,
             self.microbatches,
             steps,
             self.microbatches if SCHEDULES[self.schedule_name].uses_accum else None,
-            sync_warmup=warmup,
+            sync_warmup=min(self.sync_warmup, steps),
             max_actions=None,
+            drain_at=self.drains,
         )
         validate(schedule)
-        return _Segment(offset, schedule, build_ledger(schedule), emulator=None)  # type: ignore[arg-type]
+        return schedule, build_ledger(schedule)
 
-    def _start_segment(self) -> _Segment:
-        segment = self._generate(FIRST_HORIZON, self.step_count)
-        for s, worker in enumerate(self.workers):
-            worker.use_schedule(segment.schedule, segment.ledger.stages[s], fresh=True)
-        segment.emulator = self._emulator(segment)
-        self._segment = self._shown = segment
-        return segment
-
-    def _emulator(self, segment: _Segment) -> Emulator:
+    def _emulator(self, start_step: int) -> Emulator:
         interpreters = [
             Interpreter(
                 w,
@@ -346,40 +330,35 @@ class Pipeline:
             )
             for w in self.workers
         ]
-        emulator = Emulator(segment.schedule, interpreters, self.transport)
+        emulator = Emulator(self.schedule, interpreters, self.transport, start_step=start_step)
         m = self.microbatches
-        emulator.available = lambda a: (
-            (a.number - 1 if a.kind == STEP else a.number // m) < segment.fed
-        )
+
+        def fed(action: Action) -> bool:  # an action runs once its batch was fed
+            batch = action.number - 1 if action.kind == STEP else action.number // m
+            return batch < self.fed
+
+        emulator.available = fed
         emulator.on_step = self._on_step
         return emulator
 
-    def _regenerate(self, segment: _Segment, steps: int) -> None:
-        """The same segment under a schedule of ``steps`` steps (longer, or cut at the feed)."""
-        new = self._generate(steps, segment.offset)
-        done = segment.emulator.pointer
+    def _regenerate(self, steps: int) -> None:
+        """Go on under the schedule of ``steps`` steps (longer, or cut at the feed)."""
+        schedule, ledger = self._generate(steps)
+        done = self.emulator.pointer
         for r in range(self.num_stages):
-            if new.schedule.ranks[r][: done[r]] != segment.schedule.ranks[r][: done[r]]:
+            if schedule.ranks[r][: done[r]] != self.schedule.ranks[r][: done[r]]:
                 raise RuntimeError(
                     f"the {steps}-step {self.schedule_name} schedule does not begin with the "
                     f"actions rank {r} already ran: its generator is not prefix-stable"
                 )
         for s, worker in enumerate(self.workers):
-            worker.use_schedule(new.schedule, new.ledger.stages[s], fresh=False)
-        segment.schedule, segment.ledger = new.schedule, new.ledger
-        segment.emulator.schedule = new.schedule
+            worker.use_schedule(schedule, ledger.stages[s], fresh=False)
+        self.schedule, self.ledger = schedule, ledger
+        self.emulator.schedule = schedule
 
     # ----- feeding -----------------------------------------------------------------------------
     def _batch(self, m: int) -> tuple[Tree, Tree]:
-        assert self._segment is not None
-        return self._segment.batches[m]
-
-    def _split(self, inputs: Tree, targets: Tree) -> list[tuple[Tree, Tree]]:
-        m = self.microbatches
-        chunks: list[list[Tree]] = []
-        for label, value in (("inputs", inputs), ("targets", targets)):
-            chunks.append(_split_tree(value, m, label))
-        return list(zip(chunks[0], chunks[1], strict=True))
+        return self.batches[m]
 
     def step(self, inputs: Tree, targets: Tree) -> StepResult:
         """Feed one optimizer step's batch and run every action it makes possible.
@@ -387,91 +366,80 @@ class Pipeline:
         ``inputs`` (the first stage's) and ``targets`` (``loss_fn``'s) are split into the
         pipeline's M micro-batches along dim 0; a tuple or dict is split leaf by leaf.
         """
-        pieces = self._split(inputs, targets)
-        segment = self._segment or self._start_segment()
-        if segment.fed + 1 + MARGIN > segment.schedule.num_steps:
-            self._regenerate(segment, 2 * segment.schedule.num_steps)
-        base = segment.fed * self.microbatches
+        m = self.microbatches
+        pieces = list(
+            zip(_split_tree(inputs, m, "inputs"), _split_tree(targets, m, "targets"), strict=True)
+        )
+        if self.fed + 1 + MARGIN > self.schedule.num_steps:
+            self._regenerate(max(2 * self.schedule.num_steps, self.fed + FIRST_HORIZON))
         for i, piece in enumerate(pieces):
-            segment.batches[base + i] = piece
-        segment.fed += 1
-        self.microbatch_count += self.microbatches
-        segment.emulator.advance()
+            self.batches[self.fed * m + i] = piece
+        self.fed += 1
+        self.emulator.advance()
         return self._result()
 
     def drain(self) -> StepResult:
-        """Finish every micro-batch in flight: the schedule ends at the batches fed so far.
+        """Finish every micro-batch in flight: the schedule drains after the batches fed.
 
         Afterwards every stage holds the same number of updates and nothing is in flight: the
-        point for evaluation and checkpoints. The next ``step`` starts a new segment.
+        point for evaluation and checkpoints.
         """
-        segment = self._segment
-        if segment is None:
-            return StepResult()
-        if segment.fed:
-            self._regenerate(segment, segment.fed)
-            segment.emulator.run(segment.fed)
-        self._segment = None
-        assert all(not w.saved for w in self.workers)
+        if self.fed and self.step_count < self.fed:
+            # the schedule drains after step `fed` and goes on past it, so a version that a
+            # later batch reads (2BW's) is kept as the uninterrupted schedule keeps it
+            self.drains.append(self.fed)
+            self._regenerate(max(self.schedule.num_steps, self.fed + FIRST_HORIZON))
+            self.emulator.run(self.fed)
+        assert not self.in_flight
         return self._result()
 
     def _on_step(self, action: Action) -> None:
-        segment = self._segment
-        assert segment is not None
-        done = segment.done
+        done = self.done
         done[action.number] = done.get(action.number, 0) + 1
         if done[action.number] == self.num_stages:
             del done[action.number]
-            self.step_count = segment.offset + action.number
+            self.step_count = action.number
             norms = [w.grad_norms.pop(action.number) for w in self.workers]
-            self._finished[self.step_count] = norms
+            self._finished[action.number] = norms
 
     def _result(self) -> StepResult:
         first, last = self.workers[0], self.workers[-1]
-        segment = self._shown
-        assert segment is not None
         # a micro-batch's data is read by stage 0's forward and the last stage's F (and B when
         # recomputing): drop it once both have run
         done = min(first.forwards, last.forwards)
-        for m in [m for m in segment.batches if m < done and m not in last.saved]:
-            del segment.batches[m]
+        for m in [m for m in self.batches if m < done and m not in last.saved]:
+            del self.batches[m]
         finished = sorted(last.losses)
         losses: list[MicrobatchLoss] = []
         if finished:
             values = last.pop_losses(finished)
-            m_per_step, offset = self.microbatches, segment.offset
-            ledger = segment.ledger.stages[-1]
+            versions = self.ledger.stages[-1].fwd_version
             for m, value in zip(finished, values, strict=True):
-                losses.append(
-                    MicrobatchLoss(
-                        step=offset + m // m_per_step + 1,
-                        microbatch=offset * m_per_step + m,
-                        value=value,
-                        version=offset + ledger.fwd_version[m],
-                    )
-                )
+                step = m // self.microbatches + 1
+                losses.append(MicrobatchLoss(step, m, value, versions[m]))
         self._reported += len(losses)
         steps, self._finished = self._finished, {}
-        return StepResult(losses, list(steps), steps, self.microbatch_count - self._reported)
+        in_flight = self.fed * self.microbatches - self._reported
+        return StepResult(losses, list(steps), steps, in_flight)
 
     # ----- state -------------------------------------------------------------------------------
     @property
     def in_flight(self) -> bool:
-        """Whether some micro-batch fed has not finished its backward yet."""
-        return self._segment is not None and any(w.saved for w in self.workers)
+        """Whether some batch fed has not been stepped by every stage yet."""
+        return self.step_count < self.fed
 
     def _check_drained(self, what: str) -> None:
-        if self._segment is not None:
+        if self.in_flight:
             raise RuntimeError(
                 f"{what} needs a drained pipeline (every stage at the same version, nothing in "
                 "flight): call pipeline.drain() first"
             )
 
     @property
-    def ledger(self) -> Ledger | None:
-        """The version ledger of the current segment (which version every forward, backward
-        and step used), or of the last one after ``drain()``."""
-        return None if self._shown is None else self._shown.ledger
+    def versions(self) -> Ledger:
+        """The version ledger: which version every forward, backward and step used (of the
+        schedule as far as generated; the micro-batches fed so far are final)."""
+        return self.ledger
 
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights under its own parameter names (a copy, on each stage's
@@ -491,9 +459,34 @@ class Pipeline:
             "num_stages": self.num_stages,
             "microbatches": self.microbatches,
             "step": self.step_count,
-            "microbatch": self.microbatch_count,
-            "stages": [_stage_state(w) for w in self.workers],
+            "stages": self.stage_parts(),
         }
+
+    def stage_parts(self) -> list[dict[str, Any]]:
+        """Each stage's part of a checkpoint (``nobubble train``'s on-disk format, which the
+        multi-process runtime reads and writes too)."""
+        self._check_drained("a checkpoint")
+        return [w.state_dict() for w in self.workers]
+
+    def load_stage_parts(self, step: int, parts: Sequence[Mapping[str, Any]]) -> None:
+        """Continue from the parts of a checkpoint written at step ``step`` (a drain point):
+        the schedule goes on from there with a drain point at ``step``."""
+        self._check_drained("loading a checkpoint")
+        if self.fed:
+            raise RuntimeError("load a checkpoint into a new pipeline, before any step()")
+        for worker, part in zip(self.workers, parts, strict=True):
+            if part["stage"] != worker.stage:
+                raise ValueError(
+                    f"checkpoint part of stage {part['stage']} given to stage {worker.stage}"
+                )
+        self.drains = [step] if step else []
+        self.fed = self.step_count = step
+        self._reported = step * self.microbatches
+        self.schedule, self.ledger = self._generate(step + FIRST_HORIZON)
+        for s, worker in enumerate(self.workers):
+            worker.use_schedule(self.schedule, self.ledger.stages[s], fresh=True)
+            worker.load_state_dict(dict(parts[s]))
+        self.emulator = self._emulator(step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._check_drained("load_state_dict()")
@@ -516,10 +509,7 @@ class Pipeline:
                     f"stage {worker.stage}'s parameters {differ[:3]} are missing from the state "
                     "or have other shapes: split the same model at the same points"
                 )
-        for worker, part in zip(self.workers, state["stages"], strict=True):
-            _load_stage_state(worker, part)
-        self.step_count = state["step"]
-        self.microbatch_count = self._reported = state["microbatch"]
+        self.load_stage_parts(state["step"], state["stages"])
 
 
 def _find_ties(stages: list[nn.Module]) -> list[Tie]:
@@ -546,10 +536,13 @@ def _find_ties(stages: list[nn.Module]) -> list[Tie]:
     return sorted(ties)
 
 
-def _scaled(lr: float, factor: Callable[[int], float] | None) -> Callable[[int], float]:
+def _scaled(
+    lr: float | Callable[[int], float], factor: Callable[[int], float] | None
+) -> Callable[[int], float]:
+    base = lr if callable(lr) else (lambda step: lr)
     if factor is None:
-        return lambda step: lr
-    return lambda step: lr * factor(step)
+        return base
+    return lambda step: base(step) * factor(step)
 
 
 def _adamw_matrices(module: nn.Module) -> set[str]:
@@ -583,21 +576,6 @@ def _split_tree(value: Tree, m: int, label: str) -> list[Tree]:
     raise TypeError(
         f"{label} is a {type(value).__name__}: pass a tensor, or a tuple or dict of tensors"
     )
-
-
-def _stage_state(worker: StageWorker) -> dict[str, Any]:
-    return {
-        "module": {k: v.detach().clone() for k, v in worker.module.state_dict().items()},
-        "optimizer": worker.optimizer.state_dict(),
-        "correction": worker.correction.state_dict(),
-    }
-
-
-def _load_stage_state(worker: StageWorker, part: Mapping[str, Any]) -> None:
-    with torch.no_grad():
-        worker.module.load_state_dict({k: v.to(worker.device) for k, v in part["module"].items()})
-    worker.optimizer.load_state_dict(part["optimizer"])
-    worker.correction.load_state_dict(part["correction"])
 
 
 __all__ = ["MicrobatchLoss", "Pipeline", "StepResult"]

@@ -14,7 +14,6 @@ import math
 import platform
 import subprocess
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from nobubble import __version__
-from nobubble.assemble import Plan, load_data, make_plan, make_stages, make_worker
+from nobubble.assemble import Plan, load_data, make_pipeline, make_plan, make_stages
 from nobubble.checkpoint import (
     check_fingerprint,
     check_work_left,
@@ -35,10 +34,10 @@ from nobubble.checkpoint import (
 )
 from nobubble.config import TrainConfig
 from nobubble.data import TokenData
-from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
-from nobubble.ir import Action
+from nobubble.exec import StageWorker
 from nobubble.metrics import MetricsWriter, truncate_metrics
 from nobubble.model import GPT
+from nobubble.pipeline import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ def sample_from_state(
 
 
 class Trainer:
-    """Runs one configuration in the emulator and writes the run directory."""
+    """Runs one configuration through ``nobubble.Pipeline`` and writes the run directory."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -161,51 +160,48 @@ class Trainer:
         self.plan = make_plan(cfg, self.data.vocab_size)
         if self.start_step and self.start_step not in self.plan.drain_points:
             raise ValueError(f"checkpoint step {self.start_step} is not a drain point")
-        stages = make_stages(self.plan)
-        self.workers = [make_worker(self.plan, m, self.data) for m in stages]
+        self.pipe = make_pipeline(self.plan, make_stages(self.plan))
+        self.workers = self.pipe.workers
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.stages)]
-            for worker, part in zip(self.workers, parts, strict=True):
-                worker.load_state_dict(part)
-        self.transport = InProcessTransport(cfg.stages)
-        self.interpreters = [
-            Interpreter(w, self.transport, cfg.stages, cfg.global_clip, record=False)
-            for w in self.workers
-        ]
-        self.emulator = Emulator(
-            self.plan.schedule, self.interpreters, self.transport, start_step=self.start_step
-        )
-        self.emulator.on_step = self._on_step
-        self.stages_done: Counter[int] = Counter()
+            self.pipe.load_stage_parts(self.start_step, parts)
+        self.step_losses: dict[int, list[float]] = {}
         self.result = RunResult(self.run_dir)
 
     # ----- per-step bookkeeping ----------------------------------------------------------------
-    def _on_step(self, action: Action) -> None:
-        step = action.number
-        self.stages_done[step] += 1
-        if self.stages_done[step] < self.cfg.stages:  # the step is complete on every stage
-            return
-        del self.stages_done[step]
-        m_per_step = self.plan.schedule.num_microbatches
-        last = self.workers[-1]
-        losses = last.pop_losses(range((step - 1) * m_per_step, step * m_per_step))
-        record = {
-            "step": step,
-            "loss": sum(losses) / len(losses),
-            "lr": self.workers[0].lr_of(step),
-            "tokens": step * self.cfg.tokens_per_step,
-            "elapsed_s": self.elapsed_offset + time.perf_counter() - self.t0,
-            "grad_norm": [w.grad_norms.pop(step) for w in self.workers],
-        }
-        self.pending = record
-        if self.bar is not None:
-            tok_s = (
-                (step - self.start_step)
-                * self.cfg.tokens_per_step
-                / (time.perf_counter() - self.t0)
-            )
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
-            self.bar.update(1)
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step`` (0-based): its micro-batches, stacked along dim 0."""
+        m = self.plan.schedule.num_microbatches
+        pieces = [
+            self.data.train_microbatch(i, self.cfg.micro_batch_size)
+            for i in range(step * m, (step + 1) * m)
+        ]
+        return torch.cat([x for x, _ in pieces]), torch.cat([y for _, y in pieces])
+
+    def _collect(self, result: StepResult, point: int, metrics: MetricsWriter) -> None:
+        """Record the steps that ``result`` finished; the drain point's waits for validation."""
+        for item in result.losses:
+            self.step_losses.setdefault(item.step, []).append(item.value)
+        for step in result.steps:
+            losses = self.step_losses.pop(step)
+            record = {
+                "step": step,
+                "loss": sum(losses) / len(losses),
+                "lr": self.workers[0].lr_of(step),
+                "tokens": step * self.cfg.tokens_per_step,
+                "elapsed_s": self.elapsed_offset + time.perf_counter() - self.t0,
+                "grad_norm": result.grad_norms[step],
+            }
+            if step == point:
+                self.pending = record
+            else:
+                self.result.records.append(record)
+                metrics.write(record)
+            if self.bar is not None:
+                done = step - self.start_step
+                tok_s = done * self.cfg.tokens_per_step / (time.perf_counter() - self.t0)
+                self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+                self.bar.update(1)
 
     def _drain_point(self, step: int, metrics: MetricsWriter) -> None:
         record = self.pending
@@ -218,8 +214,8 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         staging = staging_dir(self.run_dir, step)
-        for worker in self.workers:
-            save_part(staging, worker.stage, worker.state_dict())
+        for worker, part in zip(self.workers, self.pipe.stage_parts(), strict=True):
+            save_part(staging, worker.stage, part)
         finalize(
             self.run_dir,
             step,
@@ -248,12 +244,10 @@ class Trainer:
         try:
             stop = self.cfg.stop_at or self.cfg.steps
             for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
-                # run step by step so each step gets its metrics line; drains only at `point`
+                # feed batch by batch so each step gets its metrics line; drain only at `point`
                 for step in range(step_done + 1, point + 1):
-                    self.emulator.run(step)
-                    if step < point:
-                        self.result.records.append(self.pending)
-                        metrics.write(self.pending)
+                    self._collect(self.pipe.step(*self._batch(step - 1)), point, metrics)
+                self._collect(self.pipe.drain(), point, metrics)
                 self._drain_point(point, metrics)
                 step_done = point
         finally:

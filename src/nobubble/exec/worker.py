@@ -191,7 +191,9 @@ class StageWorker:
         assert ledger.stage == self.stage, (ledger.stage, self.stage)
         if fresh:
             assert not self.saved and self.backwards_in_batch == 0, "a new segment mid-batch"
+            peak = self.versions.peak_live  # the most over the whole run, segments included
             self.versions = WeightVersions(self.named, schedule, ledger)
+            self.versions.peak_live = peak
             self.forwards = 0
         else:
             self.versions.extend(schedule, ledger)

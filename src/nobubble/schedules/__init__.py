@@ -7,7 +7,7 @@ generator.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from nobubble.ir import Schedule, ScheduleError
@@ -82,6 +82,7 @@ def build_schedule(
     drain_every: int | None = None,
     sync_warmup: int = 0,
     max_actions: int | None = MAX_ACTIONS,
+    drain_at: Collection[int] = (),
 ) -> Schedule:
     """Generate schedule ``name`` for P stages, M micro-batches per step and N steps.
 
@@ -90,6 +91,7 @@ def build_schedule(
     Sizes above ``max_actions`` actions are refused before any is generated (the schedule
     commands keep the default, which they print in seconds; training passes None: a long run
     builds its whole schedule up front, which costs time and memory but is not refused).
+    ``drain_at``: steps after which the pipeline drains too (the API's ``drain()`` calls).
     """
     info = schedule_info(name)
     _check_positive("the number of stages P", "--stages", num_stages)
@@ -109,5 +111,7 @@ def build_schedule(
                     f"sync warm-up {sync_warmup} applies to asynchronous schedules only; "
                     f"{name} is synchronous throughout: drop the sync-warmup correction"
                 )
-            return info.generate(num_stages, m, num_steps, drain_every, sync_warmup=sync_warmup)
-        return info.generate(num_stages, m, num_steps, drain_every)
+            return info.generate(
+                num_stages, m, num_steps, drain_every, sync_warmup=sync_warmup, drain_at=drain_at
+            )
+        return info.generate(num_stages, m, num_steps, drain_every, drain_at=drain_at)

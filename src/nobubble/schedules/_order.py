@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from nobubble.ir import STEP, Action, B, F
 
 
@@ -38,19 +40,24 @@ def insert_steps(order: list[Action], stage: int, num_microbatches: int) -> list
 
 
 def segments(
-    num_steps: int, drain_every: int | None, sync_warmup: int = 0
+    num_steps: int,
+    drain_every: int | None,
+    sync_warmup: int = 0,
+    drain_at: Collection[int] = (),
 ) -> list[tuple[int, int]]:
     """Split the run into (first_step, num_steps) segments that drain at their end.
 
     The first ``sync_warmup`` steps are one-step segments (flushed, i.e. synchronous); the rest
-    drains every ``drain_every`` steps, counted from step 0 so drain points stay where they are.
+    drains every ``drain_every`` steps, counted from step 0 so drain points stay where they are,
+    and after every step of ``drain_at`` (where the Python API's ``drain()`` was called).
     """
     warm = min(sync_warmup, num_steps)
     out = [(k, 1) for k in range(warm)]
     every = drain_every or num_steps
+    extra = sorted(d for d in set(drain_at) if warm < d < num_steps)
     k = warm
     while k < num_steps:
-        end = min(num_steps, (k // every + 1) * every)
+        end = min(num_steps, (k // every + 1) * every, *(d for d in extra if d > k))
         out.append((k, end - k))
         k = end
     return out
@@ -62,12 +69,14 @@ def continuous_1f1b(
     num_steps: int,
     drain_every: int | None,
     sync_warmup: int = 0,
+    drain_at: Collection[int] = (),
 ) -> tuple[tuple[Action, ...], ...]:
-    """1F1B without flushes, draining only every ``drain_every`` steps (checkpoint points)."""
+    """1F1B without flushes, draining only every ``drain_every`` steps (checkpoint points)
+    and after the steps of ``drain_at``."""
     ranks = []
     for stage in range(num_stages):
         order: list[Action] = []
-        for first_step, steps in segments(num_steps, drain_every, sync_warmup):
+        for first_step, steps in segments(num_steps, drain_every, sync_warmup, drain_at):
             order += one_f_one_b(
                 stage, num_stages, first_step * num_microbatches, steps * num_microbatches
             )

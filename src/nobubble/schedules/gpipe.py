@@ -8,6 +8,8 @@ equal forward and backward costs. Every step is a drain point.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from nobubble.ir import Schedule
 from nobubble.schedules._order import all_f_then_all_b, insert_steps
 
@@ -16,8 +18,13 @@ SUMMARY = "synchronous: all F then all B per batch, flush; M micro-batches held 
 
 
 def generate(
-    num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None = None
+    num_stages: int,
+    num_microbatches: int,
+    num_steps: int,
+    drain_every: int | None = None,
+    drain_at: Collection[int] = (),
 ) -> Schedule:
+    """Drains after every step anyway: ``drain_every`` and ``drain_at`` change nothing."""
     ranks = []
     for stage in range(num_stages):
         order = []

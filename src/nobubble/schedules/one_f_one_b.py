@@ -9,6 +9,8 @@ forward and backward costs. Every step is a drain point.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from nobubble.ir import Schedule
 from nobubble.schedules._order import insert_steps, one_f_one_b
 
@@ -17,8 +19,13 @@ SUMMARY = "synchronous: 1F1B per batch with a flush; min(P-s, M) micro-batches h
 
 
 def generate(
-    num_stages: int, num_microbatches: int, num_steps: int, drain_every: int | None = None
+    num_stages: int,
+    num_microbatches: int,
+    num_steps: int,
+    drain_every: int | None = None,
+    drain_at: Collection[int] = (),
 ) -> Schedule:
+    """Drains after every step anyway: ``drain_every`` and ``drain_at`` change nothing."""
     ranks = []
     for stage in range(num_stages):
         order = []

@@ -12,6 +12,8 @@ in flight and one weight version. Optional drain points every ``drain_every`` st
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from nobubble.ir import Schedule
 from nobubble.schedules._order import continuous_1f1b
 
@@ -25,8 +27,11 @@ def generate(
     num_steps: int,
     drain_every: int | None = None,
     sync_warmup: int = 0,
+    drain_at: Collection[int] = (),
 ) -> Schedule:
-    ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every, sync_warmup)
+    ranks = continuous_1f1b(
+        num_stages, num_microbatches, num_steps, drain_every, sync_warmup, drain_at
+    )
     return Schedule(
         NAME,
         num_stages,
@@ -37,4 +42,5 @@ def generate(
         ranks,
         drain_every=drain_every,
         sync_warmup=sync_warmup,
+        meta={"drain_at": tuple(sorted(drain_at))} if drain_at else {},
     )

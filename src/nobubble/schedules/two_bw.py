@@ -11,6 +11,8 @@ weight versions alive per stage; at most P-s micro-batches in flight on stage s.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from nobubble.ir import Schedule, ScheduleError
 from nobubble.schedules._order import continuous_1f1b
 
@@ -24,13 +26,16 @@ def generate(
     num_steps: int,
     drain_every: int | None = None,
     sync_warmup: int = 0,
+    drain_at: Collection[int] = (),
 ) -> Schedule:
     if num_microbatches < num_stages - 1:
         raise ScheduleError(
             f"2bw needs micro-batches per step M >= P-1, got M={num_microbatches} with "
             f"P={num_stages}; use --microbatches {num_stages - 1} or more, or fewer stages"
         )
-    ranks = continuous_1f1b(num_stages, num_microbatches, num_steps, drain_every, sync_warmup)
+    ranks = continuous_1f1b(
+        num_stages, num_microbatches, num_steps, drain_every, sync_warmup, drain_at
+    )
     return Schedule(
         NAME,
         num_stages,
@@ -41,4 +46,5 @@ def generate(
         ranks,
         drain_every=drain_every,
         sync_warmup=sync_warmup,
+        meta={"drain_at": tuple(sorted(drain_at))} if drain_at else {},
     )
