@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from nobubble.config import TrainConfig
 from nobubble.data import TokenData, prepare_data
@@ -47,8 +49,8 @@ class Plan:
     cfg: TrainConfig
     schedule: Schedule
     ledger: Ledger
-    model_cfg: ModelConfig
-    layer_ranges: list[range]
+    model_cfg: ModelConfig | None  # None for a Hugging Face model (--model hf:PATH)
+    layer_ranges: list[range]  # the internal GPT's; a Hugging Face split's are in Model
 
     @property
     def drain_points(self) -> list[int]:
@@ -77,9 +79,58 @@ def make_schedule(cfg: TrainConfig) -> Schedule:
 
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     schedule = make_schedule(cfg)
+    if cfg.is_hf:
+        check_hf_vocab(cfg, vocab_size)
+        return Plan(cfg, schedule, build_ledger(schedule), None, [])
     model_cfg = model_config(cfg.model, vocab_size, cfg.seq_len)
     ranges = partition_layers(model_cfg, cfg.stages, seq_len=cfg.seq_len)
     return Plan(cfg, schedule, build_ledger(schedule), model_cfg, ranges)
+
+
+def check_hf_vocab(cfg: TrainConfig, vocab_size: int) -> None:
+    """The data's token ids must fit the Hugging Face model's embedding."""
+    from nobubble.hf import config_vocab
+
+    model_vocab = config_vocab(cfg.hf_config())
+    if vocab_size > model_vocab:
+        raise ValueError(
+            f"the data's tokenizer has {vocab_size:,} tokens, more than the {model_vocab:,} of "
+            f"--model {cfg.model}: use --vocab-size {model_vocab} or less"
+        )
+
+
+@dataclass
+class Model:
+    """The model of a run, cut into stages; ``whole`` is a Hugging Face model the stages share
+    (None for the internal GPT, whose stages are copies merged back for evaluation)."""
+
+    stages: list[nn.Module]
+    whole: Any | None
+    layer_ranges: list[range]
+    num_params: int
+
+
+def make_model(plan: Plan) -> Model:
+    if plan.model_cfg is not None:
+        num_params = plan.model_cfg.num_params()
+        modules: list[nn.Module] = list(make_stages(plan))
+        return Model(modules, None, plan.layer_ranges, num_params)
+    from nobubble.hf import load_model
+    from nobubble.splitting import split
+
+    cfg = plan.cfg
+    whole = load_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
+    stages = split(whole, cfg.stages, untie=cfg.untie_embeddings)
+    ids: list[tuple[int, ...]] = [getattr(s, "layer_ids") for s in stages]  # noqa: B009
+    ranges = [range(i[0], i[-1] + 1) for i in ids]
+    num_params = sum(p.numel() for p in whole.parameters())
+    log.info(
+        "model %s: %.2fM parameters, blocks per stage %s",
+        cfg.model,
+        num_params / 1e6,
+        [f"{r.start}-{r.stop - 1}" for r in ranges],
+    )
+    return Model(stages, whole, ranges, num_params)
 
 
 def load_data(cfg: TrainConfig) -> TokenData:
@@ -107,6 +158,7 @@ def check_val_split(cfg: TrainConfig, data: TokenData) -> None:
 
 def make_stages(plan: Plan) -> list[StageModule]:
     """All stage modules; each rank of the runtime keeps only its own."""
+    assert plan.model_cfg is not None, "the internal GPT's stages"
     model = build_model(plan.model_cfg, plan.cfg.seed)
     log.info(
         "model %s: %.2fM parameters, split over %d stages:\n%s",
@@ -122,7 +174,7 @@ def make_correction(cfg: TrainConfig) -> DelayCorrection:
     return ErrorFeedback(cfg.ef_lambda) if cfg.correction == "ef" else NoCorrection()
 
 
-def make_pipeline(plan: Plan, stages: list[StageModule]) -> Pipeline:
+def make_pipeline(plan: Plan, stages: list[nn.Module]) -> Pipeline:
     """The emulated pipeline of a ``nobubble train`` run: the public API with the recipe's
     settings (warm-up and cosine learning rate, clipping, weight decay) spelled out."""
     cfg = plan.cfg
@@ -143,6 +195,7 @@ def make_pipeline(plan: Plan, stages: list[StageModule]) -> Pipeline:
         sync_warmup=cfg.sync_warmup_steps,
         dtype=cfg.dtype,
         recompute=cfg.paci_recompute,
+        steps=cfg.steps,
     )
 
 

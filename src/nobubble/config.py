@@ -19,6 +19,7 @@ from typing import Any
 import tomllib
 
 from nobubble.data import DataConfig
+from nobubble.hf import config_layers
 from nobubble.model import MODEL_PRESETS, model_config
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
 from nobubble.optim import OPTIMIZERS, OptimConfig
@@ -80,6 +81,10 @@ class TrainConfig:
     backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl.
     strict_p2p: run point-to-point under NCCL's completion rules on any backend (one stream per
         rank; a testing aid that makes an order NCCL would deadlock on hang on gloo too).
+    model: a preset (tiny, mini, ...) or hf:PATH, a Hugging Face model folder or config.json
+        (Llama family or GPT-2; a config alone gets a random init from --seed).
+    untie_embeddings: a Hugging Face model with tied embeddings trains its head as a separate
+        parameter (needed by asynchronous schedules over several stages).
     """
 
     schedule: str = "paci"
@@ -122,6 +127,7 @@ class TrainConfig:
     device: str = "auto"
     backend: str = "auto"
     strict_p2p: bool = False
+    untie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -132,7 +138,10 @@ class TrainConfig:
         _choice("runtime", self.runtime, RUNTIMES)
         _choice("device", self.device, DEVICES)
         _choice("backend", self.backend, BACKENDS)
-        _choice("model", self.model, tuple(MODEL_PRESETS))
+        if not self.is_hf:
+            if self.model.startswith("hf"):
+                raise ValueError(f"--model {self.model!r}: write hf:PATH (a folder or config.json)")
+            _choice("model", self.model, tuple(MODEL_PRESETS))
         for name in (
             "stages",
             "microbatches",
@@ -164,7 +173,20 @@ class TrainConfig:
 
     def _check_combinations(self) -> None:
         info = SCHEDULES[self.schedule]
-        n_layers = MODEL_PRESETS[self.model].n_layers
+        if self.is_hf:
+            n_layers = config_layers(self.hf_config())
+            if self.runtime != "emulate":
+                raise ValueError(
+                    f"--model {self.model} runs with --runtime emulate for now (the API's "
+                    "multi-process runtime is not built yet); drop --runtime dist"
+                )
+        else:
+            n_layers = MODEL_PRESETS[self.model].n_layers
+            if self.untie_embeddings:
+                raise ValueError(
+                    "--untie-embeddings applies to Hugging Face models (--model hf:PATH); "
+                    f"{self.model} has an untied head already"
+                )
         if self.stages > n_layers:
             raise ValueError(
                 f"--stages {self.stages} is more than the {n_layers} layers of model "
@@ -215,8 +237,8 @@ class TrainConfig:
     def _check_memory(self) -> None:
         """Refuse a run whose estimated peak memory exceeds MEMORY_SHARE of this machine's."""
         total = physical_memory_bytes()
-        if total is None or not self._in_host_memory():
-            return
+        if total is None or not self._in_host_memory() or self.is_hf:
+            return  # a Hugging Face model's size is not estimated yet
         available = MEMORY_SHARE * total
         need = self.memory_bytes()
         if need <= available:
@@ -236,6 +258,15 @@ class TrainConfig:
             f"({MEMORY_SHARE:.0%} of {_gib(total)}): use "
             + (", or ".join(fixes) or "a smaller --model (the weights and state alone do not fit)")
         )
+
+    @property
+    def is_hf(self) -> bool:
+        return self.model.startswith("hf:")
+
+    def hf_config(self) -> dict[str, Any]:
+        from nobubble.hf import read_config
+
+        return read_config(self.model.removeprefix("hf:"))
 
     def _in_host_memory(self) -> bool:
         """The emulator and CPU ranks keep everything in this machine's memory. CUDA ranks are

@@ -77,6 +77,25 @@ def _folder(path: str) -> Path:
     raise FileNotFoundError(f"hf:{path} does not exist: pass a model folder or a config.json")
 
 
+def read_config(path: str) -> dict[str, Any]:
+    """The config.json of the model at ``path``, read without transformers (for checks)."""
+    folder = _folder(path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"hf:{path}: config.json is not valid JSON ({err})") from None
+    check_family(str(config.get("model_type")))
+    return config
+
+
+def config_layers(config: dict[str, Any]) -> int:
+    return int(config.get("num_hidden_layers", config.get("n_layer", 0)))
+
+
+def config_vocab(config: dict[str, Any]) -> int:
+    return int(config["vocab_size"])
+
+
 def load_model(path: str, seed: int = 0) -> Any:
     """The causal LM at ``path`` (a local folder or its config.json), in fp32.
 

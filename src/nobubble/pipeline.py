@@ -166,6 +166,8 @@ class Pipeline:
         dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
         recompute: paci only: keep the stage input and recompute the forward at backward.
         runtime: "emulate" runs every stage in this process.
+        steps: the total number of steps, when known: the schedule then ends there (the last
+            drain keeps no weight version for a batch that will not come); None: open-ended.
     """
 
     def __init__(
@@ -188,8 +190,14 @@ class Pipeline:
         dtype: str = "fp32",
         recompute: bool = False,
         runtime: str = "emulate",
+        steps: int | None = None,
     ) -> None:
         self.stages = _check_stages(stages)
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise ValueError(f"steps={steps!r}: use the total number of steps (>= 1), or None")
+        self.total_steps = steps
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(outputs, targets), got {loss_fn!r}")
         self.loss_fn = loss_fn
@@ -306,6 +314,8 @@ class Pipeline:
 
     # ----- schedules ---------------------------------------------------------------------------
     def _generate(self, steps: int) -> tuple[Schedule, Ledger]:
+        if self.total_steps is not None:
+            steps = min(steps, self.total_steps)
         schedule = build_schedule(
             self.schedule_name,
             self.num_stages,
@@ -367,10 +377,15 @@ class Pipeline:
         pipeline's M micro-batches along dim 0; a tuple or dict is split leaf by leaf.
         """
         m = self.microbatches
+        if self.total_steps is not None and self.fed >= self.total_steps:
+            raise RuntimeError(
+                f"the pipeline was built for steps={self.total_steps}, all fed: build it with "
+                "more steps, or steps=None for an open-ended loop"
+            )
         pieces = list(
             zip(_split_tree(inputs, m, "inputs"), _split_tree(targets, m, "targets"), strict=True)
         )
-        if self.fed + 1 + MARGIN > self.schedule.num_steps:
+        if self.fed + 1 + MARGIN > self.schedule.num_steps and self.fed < self.total_or_inf:
             self._regenerate(max(2 * self.schedule.num_steps, self.fed + FIRST_HORIZON))
         for i, piece in enumerate(pieces):
             self.batches[self.fed * m + i] = piece
@@ -423,6 +438,10 @@ class Pipeline:
         return StepResult(losses, list(steps), steps, in_flight)
 
     # ----- state -------------------------------------------------------------------------------
+    @property
+    def total_or_inf(self) -> float:
+        return math.inf if self.total_steps is None else self.total_steps
+
     @property
     def in_flight(self) -> bool:
         """Whether some batch fed has not been stepped by every stage yet."""

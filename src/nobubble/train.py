@@ -8,12 +8,14 @@ holds no micro-batch in flight.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import platform
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from nobubble import __version__
-from nobubble.assemble import Plan, load_data, make_pipeline, make_plan, make_stages
+from nobubble.assemble import Model, Plan, load_data, make_model, make_pipeline, make_plan
 from nobubble.checkpoint import (
     check_fingerprint,
     check_work_left,
@@ -34,9 +36,8 @@ from nobubble.checkpoint import (
 )
 from nobubble.config import TrainConfig
 from nobubble.data import TokenData
-from nobubble.exec import StageWorker
 from nobubble.metrics import MetricsWriter, truncate_metrics
-from nobubble.model import GPT
+from nobubble.model import GPT, lm_loss
 from nobubble.pipeline import StepResult
 
 log = logging.getLogger(__name__)
@@ -90,21 +91,47 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
 
 def merged_model(plan: Plan, state: dict[str, torch.Tensor]) -> GPT:
     """One GPT from the stages' weights (parameter names do not depend on the split)."""
+    assert plan.model_cfg is not None, "a Hugging Face model is evaluated as itself"
     model = GPT(plan.model_cfg)
     model.load_state_dict(state)
     return model.eval()
 
 
-def merged_state(workers: list[StageWorker]) -> dict[str, torch.Tensor]:
+class HFLogits(torch.nn.Module):
+    """A Hugging Face causal LM seen as the internal GPT is: ``model(ids)`` gives logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model(ids).logits
+        return logits if targets is None else lm_loss(logits, targets)
+
+
+@contextlib.contextmanager
+def whole_model(plan: Plan, model: Model) -> Iterator[torch.nn.Module]:
+    """The whole model in eval mode, for validation and samples: the GPT merged from its stages,
+    or the Hugging Face model the stages share (back in train mode afterwards)."""
+    if model.whole is None:
+        yield merged_model(plan, merged_state(model.stages))
+        return
+    model.whole.eval()
+    try:
+        yield HFLogits(model.whole)
+    finally:
+        model.whole.train()
+
+
+def merged_state(stages: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for w in workers:
-        state.update(w.module.state_dict())
+    for stage in stages:
+        state.update(stage.state_dict())
     return state
 
 
 @torch.no_grad()
-def evaluate(plan: Plan, workers: list[StageWorker], data: TokenData) -> float:
-    model = merged_model(plan, merged_state(workers))
+def evaluate(plan: Plan, model: torch.nn.Module, data: TokenData) -> float:
     batches = data.val_batches(plan.cfg.micro_batch_size, plan.cfg.eval_batches)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.cfg.dtype == "bf16")
     with autocast:
@@ -112,10 +139,17 @@ def evaluate(plan: Plan, workers: list[StageWorker], data: TokenData) -> float:
     return sum(losses) / len(losses)
 
 
+def sample_from_state(plan: Plan, state: dict[str, torch.Tensor], data: TokenData) -> str | None:
+    """A short seeded sample from the GPT with the weights ``state``."""
+    if data.tokenizer is None or plan.cfg.sample_tokens == 0:
+        return None
+    return sample(plan, merged_model(plan, state), data)
+
+
 @torch.no_grad()
-def sample_from_state(
+def sample(
     plan: Plan,
-    state: dict[str, torch.Tensor],
+    model: torch.nn.Module,
     data: TokenData,
     prompt: str = "ROMEO:",
     temperature: float = 0.8,
@@ -124,7 +158,6 @@ def sample_from_state(
     """A short seeded sample from the trained model, for people to read."""
     if data.tokenizer is None or plan.cfg.sample_tokens == 0:
         return None
-    model = merged_model(plan, state)
     ids = data.tokenizer.encode(prompt)
     gen = torch.Generator().manual_seed(plan.cfg.seed)
     for _ in range(plan.cfg.sample_tokens):
@@ -160,7 +193,8 @@ class Trainer:
         self.plan = make_plan(cfg, self.data.vocab_size)
         if self.start_step and self.start_step not in self.plan.drain_points:
             raise ValueError(f"checkpoint step {self.start_step} is not a drain point")
-        self.pipe = make_pipeline(self.plan, make_stages(self.plan))
+        self.model = make_model(self.plan)
+        self.pipe = make_pipeline(self.plan, self.model.stages)
         self.workers = self.pipe.workers
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.stages)]
@@ -205,7 +239,8 @@ class Trainer:
 
     def _drain_point(self, step: int, metrics: MetricsWriter) -> None:
         record = self.pending
-        record["val_loss"] = evaluate(self.plan, self.workers, self.data)
+        with whole_model(self.plan, self.model) as model:
+            record["val_loss"] = evaluate(self.plan, model, self.data)
         self.result.records.append(record)
         metrics.write(record)
         every = self.cfg.checkpoint_every
@@ -272,9 +307,9 @@ class Trainer:
                 "tokens_per_step": self.cfg.tokens_per_step,
                 "sync_warmup_steps": self.cfg.sync_warmup_steps,
                 "global_clip": self.cfg.global_clip,
-                "layer_ranges": [[r.start, r.stop] for r in self.plan.layer_ranges],
-                "vocab_size": self.plan.model_cfg.vocab_size,
-                "num_params": self.plan.model_cfg.num_params(),
+                "layer_ranges": [[r.start, r.stop] for r in self.model.layer_ranges],
+                "vocab_size": self.data.vocab_size,
+                "num_params": self.model.num_params,
                 "drain_points": self.plan.drain_points,
             },
         }
@@ -294,7 +329,8 @@ class Trainer:
             )
             + "\n"
         )
-        text = sample_from_state(self.plan, merged_state(self.workers), self.data)
+        with whole_model(self.plan, self.model) as model:
+            text = sample(self.plan, model, self.data)
         if text is not None:
             (self.run_dir / "sample.txt").write_text(text + "\n")
         peaks = [

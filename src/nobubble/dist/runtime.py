@@ -133,6 +133,7 @@ class RankRun:
         batches = check_communication(
             self.plan.schedule, cfg.global_clip, self.plan.drain_points
         )[self.rank]
+        assert self.plan.model_cfg is not None, "config refuses --runtime dist for hf: models"
         shape = (cfg.micro_batch_size, cfg.seq_len, self.plan.model_cfg.dim)
         kind = StrictTransport if cfg.strict_p2p else DistTransport
         self.transport = kind(batches, shape, torch.float32, self.device, cfg.stages,
