@@ -1,11 +1,13 @@
-"""docs/api.md's examples run, in order, in one namespace: the page cannot drift from the API."""
+"""docs/api.md's examples run, in order, in one namespace, and README's: the pages cannot drift
+from the API."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "api.md"
 
 
 def test_every_example_of_the_api_page_runs() -> None:
@@ -14,3 +16,9 @@ def test_every_example_of_the_api_page_runs() -> None:
     namespace: dict[str, object] = {"__name__": "api_doc"}
     for i, code in enumerate(blocks):
         exec(compile(code, f"{DOC.name} example {i + 1}", "exec"), namespace)
+
+
+def test_the_readme_python_example_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    assert len(blocks) == 1, "README.md's Python example is gone"
+    exec(compile(blocks[0], "README.md example", "exec"), {"__name__": "readme"})

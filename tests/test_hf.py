@@ -179,3 +179,36 @@ def test_hf_paths_fail_clearly_offline(tmp_path: Path):
     llama().config.save_pretrained(tmp_path / "cfg")
     model = load_model(str(tmp_path / "cfg" / "config.json"))  # a config alone: random init
     assert model.config.model_type == "llama" and model.training
+
+
+def test_train_cli_on_a_tied_hf_llama_then_export_reloads_with_equal_logits(tmp_path: Path):
+    """`nobubble train --model hf:CONFIG` for 20 steps (tied SmolLM2-style embeddings over two
+    stages), `nobubble export`, then transformers' own loader: the same logits, bitwise."""
+    from nobubble.cli import main
+    from nobubble.export import load_run_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    config.save_pretrained(tmp_path / "model")
+    run, out = tmp_path / "run", tmp_path / "export"
+    flags = "--schedule 1f1b --stages 2 --steps 20 --eval-every 10 --micro-batch-size 2"
+    flags += " --seq-len 16 --vocab-size 512 --eval-batches 2 --sample-tokens 0 --no-progress"
+    argv = ["train", "--model", f"hf:{tmp_path / 'model' / 'config.json'}", *flags.split()]
+    assert main([*argv, "--out", str(run)]) == 0
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # still one parameter
+    _, stages, step = load_run_model(run)
+    assert step == 20
+    x = tokens(7)[0]
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, stages[1](stages[0](x)))
+    assert main(["export", str(run), "--hf", str(out)]) == 2  # never overwrites

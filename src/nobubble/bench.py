@@ -36,6 +36,7 @@ class EmulatorBench:
     schedules: tuple[str, ...] = ("1f1b", "paci", "2bw")
     optimizer: str = "adamw"
     seed: int = 0
+    api: bool = True  # also time each schedule through nobubble.Pipeline ("api-<name>")
 
 
 def _batches(cfg: EmulatorBench) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
@@ -105,12 +106,41 @@ def emulator_steps(cfg: EmulatorBench, name: str) -> list[float]:
     return _time_steps(lambda j: emulator.run(j + 1), cfg.steps)
 
 
+def api_steps(cfg: EmulatorBench, name: str) -> list[float]:
+    """The same run through the public ``nobubble.Pipeline``: its overhead over the direct one."""
+    from nobubble.pipeline import Pipeline
+
+    mcfg = model_config(cfg.model, cfg.vocab_size, cfg.seq_len)
+    ranges = partition_layers(mcfg, cfg.stages, seq_len=cfg.seq_len)
+    stages = split_model(build_model(mcfg, cfg.seed), cfg.stages, ranges)
+    pipe = Pipeline(
+        list(stages),
+        lm_loss,
+        schedule=name,
+        microbatches=cfg.microbatches,
+        optimizer=cfg.optimizer,
+        lr=OptimConfig().lr,
+        steps=cfg.steps,
+    )
+    batch, m = _batches(cfg), cfg.microbatches
+
+    def step(j: int) -> None:
+        pieces = [batch(j * m + i) for i in range(m)]
+        pipe.step(torch.cat([x for x, _ in pieces]), torch.cat([y for _, y in pieces]))
+        if j + 1 == cfg.steps:
+            pipe.drain()
+
+    return _time_steps(step, cfg.steps)
+
+
 def bench_emulator(
     cfg: EmulatorBench, progress: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
     variants: dict[str, Callable[[], list[float]]] = {"plain": lambda: plain_steps(cfg)}
     for name in cfg.schedules:
         variants[name] = lambda name=name: emulator_steps(cfg, name)  # type: ignore[misc]
+        if cfg.api:
+            variants[f"api-{name}"] = lambda name=name: api_steps(cfg, name)  # type: ignore[misc]
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(cfg.rounds):
         for key, run in variants.items():  # alternate: every round visits every variant

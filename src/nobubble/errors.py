@@ -3,3 +3,7 @@
 
 class NobubbleError(RuntimeError):
     """A run could not be done as asked (data unreachable, a rank died, ...)."""
+
+
+class MissingExtra(ImportError):
+    """An optional dependency (``nobubble[hf]``) is not installed; the message says the fix."""

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nobubble.errors import MissingExtra
 from nobubble.splitting import balanced_cuts
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -47,7 +48,7 @@ def require_transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:
-        raise ImportError(
+        raise MissingExtra(
             "Hugging Face models need the transformers package: pip install 'nobubble[hf]'"
         ) from exc
     return transformers

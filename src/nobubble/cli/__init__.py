@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from nobubble import __version__
-from nobubble.cli import experiment_cmds, schedule_cmds, train_cmds
-from nobubble.errors import NobubbleError
+from nobubble.cli import experiment_cmds, export_cmds, schedule_cmds, train_cmds
+from nobubble.errors import MissingExtra, NobubbleError
 
 log = logging.getLogger("nobubble")
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     schedule_cmds.register(sub)
     train_cmds.register(sub)
     experiment_cmds.register(sub)
+    export_cmds.register(sub)
     return parser
 
 
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, MissingExtra) as err:
         print(f"nobubble {args.command}: error: {err}", file=sys.stderr)
         return 2
     except NobubbleError as err:

@@ -303,7 +303,8 @@ def cmd_bench_emulator(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         schedules=tuple(args.schedule.split(",")),
     )
-    bar = tqdm(total=args.rounds * (1 + len(cfg.schedules)), disable=args.json, leave=False)
+    per_round = 1 + len(cfg.schedules) * (2 if cfg.api else 1)
+    bar = tqdm(total=args.rounds * per_round, disable=args.json, leave=False)
 
     def progress(text: str) -> None:
         bar.set_description(text)

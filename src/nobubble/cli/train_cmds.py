@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from nobubble.config import TrainConfig
 
 HELP = {
+    "model": "a preset (tiny, mini, small, medium, ...) or hf:PATH, a Hugging Face model folder "
+    "or config.json (Llama family, GPT-2)",
+    "untie_embeddings": "train a tied Hugging Face head as its own parameter (async schedules)",
     "correction": "none | ef (update-level error feedback) | sync-warmup",
     "ef_lambda": "error-feedback lambda (default 1)",
     "sync_warmup": "synchronous steps first with --correction sync-warmup (0: 10%% of --steps)",
@@ -48,14 +51,12 @@ def build_train_parser() -> argparse.ArgumentParser:
     """The full ``train`` parser; built only for ``train`` because it imports torch."""
     from nobubble.config import TrainConfig
     from nobubble.data.config import TOKENIZERS
-    from nobubble.model import MODEL_PRESETS
     from nobubble.optim import OPTIMIZERS
     from nobubble.schedules import SCHEDULE_NAMES
 
     choices: dict[str, tuple[str, ...]] = {
         "schedule": SCHEDULE_NAMES,
         "optimizer": OPTIMIZERS,
-        "model": tuple(MODEL_PRESETS),
         "tokenizer": TOKENIZERS,
     }
     p = argparse.ArgumentParser(
