@@ -304,3 +304,18 @@ def test_the_front_door_exports_the_api_without_importing_torch():
     assert set(nobubble.__all__) >= {"Pipeline", "split", "StepResult", "MicrobatchLoss"}
     code = "import sys, nobubble; assert 'torch' not in sys.modules; nobubble.Pipeline"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hf_models_without_transformers_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from nobubble.cli import main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama", "vocab_size": 512}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    out = tmp_path / "run"
+    argv = ["train", "--model", f"hf:{tmp_path / 'model'}", "--out", str(out), "--steps", "2"]
+    assert main(argv) == 2
+    assert "pip install 'nobubble[hf]'" in capsys.readouterr().err
+    assert not out.exists()

@@ -19,7 +19,7 @@ from typing import Any
 import tomllib
 
 from nobubble.data import DataConfig
-from nobubble.hf import config_layers
+from nobubble.hf import check_installed, config_layers
 from nobubble.model import MODEL_PRESETS, model_config
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
 from nobubble.optim import OPTIMIZERS, OptimConfig
@@ -174,6 +174,7 @@ class TrainConfig:
     def _check_combinations(self) -> None:
         info = SCHEDULES[self.schedule]
         if self.is_hf:
+            check_installed()
             n_layers = config_layers(self.hf_config())
             if self.runtime != "emulate":
                 raise ValueError(

@@ -54,6 +54,20 @@ def require_transformers() -> Any:
     return transformers
 
 
+def check_installed() -> None:
+    """Refuse early, without importing it, when transformers is missing."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ValueError, ImportError):  # a module set to None in sys.modules, a broken install
+        found = False
+    if not found:
+        raise MissingExtra(
+            "Hugging Face models need the transformers package: pip install 'nobubble[hf]'"
+        )
+
+
 def is_hf_model(model: Any) -> bool:
     return hasattr(model, "config") and hasattr(model.config, "model_type")
 
