@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from nobubble import __version__
-from nobubble.cli import experiment_cmds, export_cmds, schedule_cmds, train_cmds
+from nobubble.cli import bench_cmds, experiment_cmds, export_cmds, schedule_cmds, train_cmds
 from nobubble.errors import MissingExtra, NobubbleError
 
 log = logging.getLogger("nobubble")
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     schedule_cmds.register(sub)
+    bench_cmds.register(sub)
     train_cmds.register(sub)
     experiment_cmds.register(sub)
     export_cmds.register(sub)

@@ -1,0 +1,265 @@
+"""``nobubble bench sim | emulator | runtime``: benchmarks that print figures, never timed tests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from nobubble.cli.schedule_cmds import positive_int, print_table
+from nobubble.schedules import SCHEDULE_NAMES, build_schedule
+from nobubble.sim import CostModel, simulate
+
+
+def cmd_bench_sim(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    rows = []
+    simulate(build_schedule(args.schedule, 4, 4, 4, args.accum), CostModel())  # warm imports
+    sizes = [max(1, args.steps // 2), args.steps]
+    for steps in tqdm(sizes, desc="bench sim", disable=args.json, leave=False):
+        t0 = time.perf_counter()
+        schedule = build_schedule(args.schedule, args.stages, args.microbatches, steps, args.accum)
+        t1 = time.perf_counter()
+        simulate(schedule, CostModel(fwd=1.0, bwd=2.0))  # validation included
+        t2 = time.perf_counter()
+        n = schedule.num_actions()
+        rows.append(
+            {
+                "schedule": args.schedule,
+                "stages": args.stages,
+                "microbatches": schedule.num_microbatches,
+                "steps": steps,
+                "actions": n,
+                "generate_s": t1 - t0,
+                "simulate_s": t2 - t1,
+                "total_s": t2 - t0,
+                "us_per_action": (t2 - t0) / n * 1e6,
+            }
+        )
+        del schedule  # free before the next size so both are measured alike
+    if args.json:
+        print(json.dumps({"runs": rows}))
+    else:
+        print_table(rows, list(rows[0]))
+        ratio = rows[1]["total_s"] / rows[0]["total_s"]
+        actions = rows[1]["actions"] / rows[0]["actions"]
+        print(f"time ratio {ratio:.2f} for {actions:.2f}x the actions (linear: equal)")
+    return 0
+
+
+# ----- nobubble bench emulator -------------------------------------------------------------------
+def cmd_bench_emulator(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from nobubble.bench import EmulatorBench, bench_emulator
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = EmulatorBench(
+        model=args.model,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        rounds=args.rounds,
+        schedules=tuple(args.schedule.split(",")),
+    )
+    per_round = 1 + len(cfg.schedules) * (2 if cfg.api else 1)
+    bar = tqdm(total=args.rounds * per_round, disable=args.json, leave=False)
+
+    def progress(text: str) -> None:
+        bar.set_description(text)
+        bar.update(1)
+
+    result = bench_emulator(cfg, progress)
+    bar.close()
+    if args.json:
+        print(json.dumps({"config": vars(args) | {"func": None}, "results": result}))
+        return 0
+    print(
+        f"model {cfg.model}, P={cfg.stages}, M={cfg.microbatches}, B={cfg.micro_batch_size}, "
+        f"T={cfg.seq_len}, {cfg.rounds} alternating rounds x {cfg.steps - 1} timed steps, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    rows = [{"variant": k, **v} for k, v in result.items()]
+    print_table(
+        rows, ["variant", "median_step_s", "tokens_per_s", "overhead_vs_plain", "steps_timed"]
+    )
+    return 0
+
+
+# ----- nobubble bench runtime --------------------------------------------------------------------
+def synthetic_pair(text: str) -> tuple[float, float]:
+    try:
+        fwd, bwd = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected FWD_S,BWD_S (two numbers of seconds), got {text!r}"
+        ) from None
+    return fwd, bwd
+
+
+def bench_synthetic(args: argparse.Namespace) -> int:
+    """Fixed-duration waits on real processes against the simulator's prediction."""
+    from nobubble.dist.synthetic import compare_with_simulator
+
+    names = [n.strip() for n in args.schedule.split(",") if n.strip() in SCHEDULE_NAMES]
+    fwd, bwd = args.synthetic
+    rows = compare_with_simulator(
+        names,
+        args.stages,
+        args.microbatches,
+        args.steps,
+        fwd,
+        bwd,
+        accum=args.microbatches,
+        rounds=args.rounds,
+    )
+    if args.json:
+        print(json.dumps({"synthetic": {"fwd_s": fwd, "bwd_s": bwd}, "runs": rows}))
+        return 0
+    print(
+        f"synthetic: forward {fwd * 1e3:g} ms, backward {bwd * 1e3:g} ms, P={args.stages}, "
+        f"M=a={args.microbatches}, {args.steps} steps, median of {args.rounds} rounds"
+    )
+    print_table(
+        rows,
+        [
+            "schedule",
+            "measured_s",
+            "predicted_s",
+            "error",
+            "predicted_with_latency_s",
+            "error_with_latency",
+            "latency_ms",
+        ],
+    )
+    return 0
+
+
+def cmd_bench_runtime(args: argparse.Namespace) -> int:
+    if args.synthetic is not None:  # compute-free: the runtime's own overhead vs the simulator
+        return bench_synthetic(args)
+    from tqdm import tqdm
+
+    from nobubble.bench_runtime import RuntimeBench, bench_runtime
+
+    cfg = RuntimeBench(
+        model=args.model,
+        vocab_size=args.vocab_size,
+        optimizer=args.optimizer,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        rounds=args.rounds,
+        schedules=tuple(s.strip() for s in args.schedule.split(",")),
+        threads=args.threads,
+        synthetic=args.synthetic,
+    )
+    bar = tqdm(total=cfg.rounds * len(cfg.schedules), disable=args.json, leave=False)
+
+    def progress(text: str) -> None:
+        bar.set_description(text)
+        bar.update(1)
+
+    result = bench_runtime(cfg, progress)
+    bar.close()
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    conf = result["config"]
+    print(
+        f"model {cfg.model}, P={cfg.stages}, M={cfg.microbatches}, B={cfg.micro_batch_size}, "
+        f"T={cfg.seq_len}, {conf['tokens_per_step']} tokens/step, {cfg.rounds} alternating "
+        f"rounds x {cfg.steps} steps ({conf['warmup_steps']} warm-up), medians over rounds; "
+        f"load average {conf['load_average'][0]:.1f} before, {conf['load_average'][1]:.1f} after"
+    )
+    part = conf["partition"]
+    print(
+        f"vocab {cfg.vocab_size}, {cfg.optimizer}; layers per stage {' | '.join(part['layers'])}, "
+        f"estimated stage-cost balance (lightest / heaviest) {part['balance']:.3f}: "
+        "the lighter stages' utilization ceiling"
+    )
+    rows = []
+    for variant in cfg.schedules:
+        r = result[variant]
+        util = r["utilization"]
+        rows.append(
+            {
+                "variant": variant,
+                "tokens_per_s": round(r["tokens_per_s"]),
+                "spread": (max(r["tokens_per_s_rounds"]) - min(r["tokens_per_s_rounds"]))
+                / r["tokens_per_s"],
+                "vs_1f1b": r["vs_1f1b"] if r["vs_1f1b"] is not None else "-",
+                "vs_torch_1f1b": r["vs_torch_1f1b"] if r["vs_torch_1f1b"] is not None else "-",
+                "utilization": [round(u, 3) for u in util] if util else "-",
+                "peak_act_MB": [round(b / 2**20, 1) for b in r["peak_activation_bytes"]],
+                "last_loss": r["last_loss"],
+            }
+        )
+    print_table(rows, list(rows[0]))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print figures")
+    bench = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+    q = bench.add_parser("sim", help="simulator speed at two sizes (linear scaling check)")
+    q.add_argument("--schedule", default="paci", choices=SCHEDULE_NAMES)
+    q.add_argument("--stages", type=positive_int, default=64)
+    q.add_argument("--microbatches", type=positive_int, default=256)
+    q.add_argument("--accum", type=positive_int, default=None)
+    q.add_argument("--steps", type=positive_int, default=100)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_sim)
+
+    q = bench.add_parser("emulator", help="emulator time per step vs plain training")
+    q.add_argument("--schedule", default="1f1b,paci,2bw", help="comma list of schedules")
+    q.add_argument("--model", default="small")
+    q.add_argument("--stages", type=positive_int, default=2)
+    q.add_argument("--microbatches", type=positive_int, default=4)
+    q.add_argument("--micro-batch-size", type=positive_int, default=8)
+    q.add_argument("--seq-len", type=positive_int, default=128)
+    q.add_argument("--steps", type=positive_int, default=6, help="per round, first not timed")
+    q.add_argument("--rounds", type=positive_int, default=3)
+    q.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_emulator)
+
+    q = bench.add_parser(
+        "runtime", help="multi-process runtime vs torch.distributed.pipelining (tokens/s)"
+    )
+    q.add_argument(
+        "--schedule",
+        default="1f1b,paci,2bw,gpipe,pipedream,torch-1f1b,torch-gpipe",
+        help="comma list of nobubble schedules and torch-1f1b, torch-gpipe",
+    )
+    q.add_argument("--model", default="small")
+    q.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=4096,
+        help="BPE vocabulary; it sets the head's cost, so the balance of the split",
+    )
+    q.add_argument("--optimizer", default="adamw")
+    q.add_argument("--stages", type=positive_int, default=2)
+    q.add_argument("--microbatches", type=positive_int, default=4)
+    q.add_argument("--micro-batch-size", type=positive_int, default=8)
+    q.add_argument("--seq-len", type=positive_int, default=128)
+    q.add_argument("--steps", type=positive_int, default=20, help="per run, first 10%% warm-up")
+    q.add_argument("--rounds", type=positive_int, default=3)
+    q.add_argument("--threads", type=int, default=0, help="torch threads (0: cores / stages)")
+    q.add_argument(
+        "--synthetic",
+        type=synthetic_pair,
+        default=None,
+        metavar="FWD_S,BWD_S",
+        help="fixed-duration waits instead of compute, compared with the simulator",
+    )
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_runtime)
