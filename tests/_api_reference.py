@@ -77,6 +77,8 @@ def run_pipeline(
         if drain_every and (j + 1) % drain_every == 0:
             losses.update({x.microbatch: x.value for x in pipe.drain().losses})
     losses.update({x.microbatch: x.value for x in pipe.drain().losses})
+    if not losses:  # a "dist" rank without the last stage reports no loss
+        return pipe, [], model
     return pipe, [losses[m] for m in range(steps * M)], model
 
 
@@ -154,3 +156,32 @@ class LiveLoop(LiveWeightsLoop):
         self.opts[s].step()
         self.opts[s].zero_grad(set_to_none=True)
         self.steps[s] += 1
+
+
+class Head(nn.Module):
+    """A first stage whose output is a dict: two floating tensors and an integer one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": torch.tanh(self.a(x)), "skip": self.b(x), "n": torch.ones(1).long()}
+
+
+class Tail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return self.c(h + skip) * n
+
+
+def tree_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Head(), Tail())  # the stages are its two children
+
+
+def tree_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model[1](**model[0](x))  # type: ignore[index,operator]

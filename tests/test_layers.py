@@ -35,7 +35,7 @@ LAYERS = {
     "data": 1,
     "optim": 1,
     "exec": 1,
-    "pipeline": 1,
+    "pipeline": 3,  # the public API runs on the emulator (1) or the multi-process runner (2)
     "splitting": 1,
     "hf": 1,
     "export": 3,
@@ -43,6 +43,7 @@ LAYERS = {
     "dist.__init__": 2,
     "dist.transport": 2,
     "dist.clock": 2,
+    "dist.api": 2,
     "config": 3,
     "train": 3,
     "checkpoint": 3,

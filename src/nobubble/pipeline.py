@@ -44,6 +44,7 @@ from nobubble.validate import validate
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
 CORRECTIONS = ("none", "ef", "sync-warmup")
+RUNTIMES = ("emulate", "dist")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 FIRST_HORIZON = 16  # steps a segment's schedule is first generated for
 MARGIN = 2  # steps the horizon keeps ahead of the batches fed (1 suffices: tested for all)
@@ -165,7 +166,11 @@ class Pipeline:
             ``sync_warmup`` steps flushed).
         dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
         recompute: paci only: keep the stage input and recompute the forward at backward.
-        runtime: "emulate" runs every stage in this process.
+        runtime: "emulate" runs every stage in this process; "dist" runs stage r in the process
+            of rank r (start P processes, e.g. with torchrun; each builds the same stages and
+            feeds the same batches, and only its own stage is used).
+        timeout: seconds a "dist" rank waits for a peer before it reports which one it waited
+            for.
         steps: the total number of steps, when known: the schedule then ends there (the last
             drain keeps no weight version for a batch that will not come); None: open-ended.
     """
@@ -191,6 +196,7 @@ class Pipeline:
         recompute: bool = False,
         runtime: str = "emulate",
         steps: int | None = None,
+        timeout: float = 600.0,
     ) -> None:
         self.stages = _check_stages(stages)
         if steps is not None and (
@@ -206,12 +212,15 @@ class Pipeline:
         self.num_stages = len(self.stages)
         self.microbatches = resolve_microbatches(schedule, microbatches, accum)
         self.accum = accum
-        if runtime != "emulate":
+        if runtime not in RUNTIMES:
             raise ValueError(
-                f"runtime={runtime!r} is not available from the Python API yet: use "
-                "runtime='emulate' (same numbers), or `nobubble train --runtime dist` for the "
-                "internal GPT"
+                f"runtime={runtime!r} is unknown: use 'emulate' (every stage in this process) "
+                "or 'dist' (one process per stage, e.g. under torchrun)"
             )
+        self.runtime = runtime
+        if not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0")
+        self.timeout = float(timeout)
         if correction not in CORRECTIONS:
             raise ValueError(f"correction={correction!r} is unknown: use one of {CORRECTIONS}")
         if correction != "none" and info.synchronous:
@@ -244,6 +253,11 @@ class Pipeline:
                 "(--untie-embeddings) to train them as two parameters, or use a synchronous "
                 "schedule (gpipe, 1f1b), which adds their gradients before each step"
             )
+        if self.ties and runtime == "dist":
+            raise ValueError(
+                f"tied parameters ({self.ties[0][3]} of stage {self.ties[0][2]}) run with "
+                "runtime='emulate' for now: use it, or split with untie=True"
+            )
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable(step) -> factor, got {lr_schedule!r}")
 
@@ -251,8 +265,11 @@ class Pipeline:
         self.drains: list[int] = []  # steps after which drain() was called
         self.schedule, self.ledger = self._generate(FIRST_HORIZON)
         self.transport = InProcessTransport(self.num_stages)
+        self.rank = None if runtime == "emulate" else _dist().join(self.num_stages, self.stages)
+        self.local = list(range(self.num_stages)) if self.rank is None else [self.rank]
         self.workers: list[StageWorker] = []
-        for s, module in enumerate(self.stages):
+        for s in self.local:
+            module = self.stages[s]
             named = list(module.named_parameters())
             stage_opt: StageOptimizer | TorchOptimizer
             if callable(optimizer):
@@ -298,8 +315,9 @@ class Pipeline:
             )
         for worker in self.workers:
             worker.ties = list(self.ties)
+        self.by_stage = {w.stage: w for w in self.workers}
         routed = [getattr(w.optimizer, "routing", None) for w in self.workers]
-        if optimizer == "muon" and not any(r is not None and r.muon for r in routed):
+        if optimizer == "muon" and self.rank is None and not any(r and r.muon for r in routed):
             raise ValueError(
                 "optimizer='muon' found no 2-D hidden matrix in any stage (embeddings and "
                 "output heads go to AdamW): Muon would update nothing; use optimizer='adamw'"
@@ -310,7 +328,7 @@ class Pipeline:
         self.done: dict[int, int] = {}  # step -> stages that have taken it
         self._finished: dict[int, list[float]] = {}  # step -> gradient norm per stage
         self._reported = 0
-        self.emulator = self._emulator(0)
+        self.emulator = self._runner(0)
 
     # ----- schedules ---------------------------------------------------------------------------
     def _generate(self, steps: int) -> tuple[Schedule, Ledger]:
@@ -329,6 +347,18 @@ class Pipeline:
         validate(schedule)
         return schedule, build_ledger(schedule)
 
+    def _runner(self, start_step: int) -> Any:
+        """What runs the actions: the emulator (every rank here), or this rank's runner."""
+        if self.rank is not None:
+            return _dist().RankRunner(self, self.workers[0], start_step)
+        return self._emulator(start_step)
+
+    def _available(self, action: Action) -> bool:
+        """An action runs once its batch was fed."""
+        m = self.microbatches
+        batch = action.number - 1 if action.kind == STEP else action.number // m
+        return batch < self.fed
+
     def _emulator(self, start_step: int) -> Emulator:
         interpreters = [
             Interpreter(
@@ -341,13 +371,7 @@ class Pipeline:
             for w in self.workers
         ]
         emulator = Emulator(self.schedule, interpreters, self.transport, start_step=start_step)
-        m = self.microbatches
-
-        def fed(action: Action) -> bool:  # an action runs once its batch was fed
-            batch = action.number - 1 if action.kind == STEP else action.number // m
-            return batch < self.fed
-
-        emulator.available = fed
+        emulator.available = self._available
         emulator.on_step = self._on_step
         return emulator
 
@@ -361,10 +385,10 @@ class Pipeline:
                     f"the {steps}-step {self.schedule_name} schedule does not begin with the "
                     f"actions rank {r} already ran: its generator is not prefix-stable"
                 )
-        for s, worker in enumerate(self.workers):
-            worker.use_schedule(schedule, ledger.stages[s], fresh=False)
+        for worker in self.workers:
+            worker.use_schedule(schedule, ledger.stages[worker.stage], fresh=False)
         self.schedule, self.ledger = schedule, ledger
-        self.emulator.schedule = schedule
+        self.emulator.set_schedule(schedule)
 
     # ----- feeding -----------------------------------------------------------------------------
     def _batch(self, m: int) -> tuple[Tree, Tree]:
@@ -411,22 +435,23 @@ class Pipeline:
     def _on_step(self, action: Action) -> None:
         done = self.done
         done[action.number] = done.get(action.number, 0) + 1
-        if done[action.number] == self.num_stages:
+        if done[action.number] == len(self.workers):
             del done[action.number]
             self.step_count = action.number
             norms = [w.grad_norms.pop(action.number) for w in self.workers]
             self._finished[action.number] = norms
 
     def _result(self) -> StepResult:
-        first, last = self.workers[0], self.workers[-1]
+        first = self.by_stage.get(0)
+        last = self.by_stage.get(self.num_stages - 1)
         # a micro-batch's data is read by stage 0's forward and the last stage's F (and B when
-        # recomputing): drop it once both have run
-        done = min(first.forwards, last.forwards)
-        for m in [m for m in self.batches if m < done and m not in last.saved]:
+        # recomputing): drop it once both have run (a middle rank reads none)
+        done = min([w.forwards for w in (first, last) if w is not None], default=self.fed * 10**9)
+        for m in [m for m in self.batches if m < done and (last is None or m not in last.saved)]:
             del self.batches[m]
-        finished = sorted(last.losses)
+        finished = sorted(last.losses) if last is not None else []
         losses: list[MicrobatchLoss] = []
-        if finished:
+        if last is not None and finished:
             values = last.pop_losses(finished)
             versions = self.ledger.stages[-1].fwd_version
             for m, value in zip(finished, values, strict=True):
@@ -434,8 +459,14 @@ class Pipeline:
                 losses.append(MicrobatchLoss(step, m, value, versions[m]))
         self._reported += len(losses)
         steps, self._finished = self._finished, {}
-        in_flight = self.fed * self.microbatches - self._reported
+        finished_mb = self._reported if last is not None else self.step_count * self.microbatches
+        in_flight = self.fed * self.microbatches - finished_mb
         return StepResult(losses, list(steps), steps, in_flight)
+
+    def close(self) -> None:
+        """With runtime="dist": leave the process group (every rank, after the last step)."""
+        if self.rank is not None:
+            _dist().close()
 
     # ----- state -------------------------------------------------------------------------------
     @property
@@ -461,12 +492,15 @@ class Pipeline:
         return self.ledger
 
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights under its own parameter names (a copy, on each stage's
-        device). The master weights: in flight, the newest version of every stage."""
+        """The whole model's weights under its own parameter names (a copy). The master
+        weights: in flight, the newest version of every stage. With runtime="dist" every rank
+        gathers every stage's (a collective: call it on every rank; tensors on the CPU)."""
         state: dict[str, torch.Tensor] = {}
-        for module in self.stages:
-            for name, tensor in module.state_dict().items():
+        for s in self.local:
+            for name, tensor in self.stages[s].state_dict().items():
                 state[name] = tensor.detach().clone()
+        if self.rank is not None:
+            return _dist().gather_state(state)
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -482,8 +516,8 @@ class Pipeline:
         }
 
     def stage_parts(self) -> list[dict[str, Any]]:
-        """Each stage's part of a checkpoint (``nobubble train``'s on-disk format, which the
-        multi-process runtime reads and writes too)."""
+        """Each local stage's part of a checkpoint (``nobubble train``'s on-disk format, which
+        the multi-process runtime reads and writes too); with runtime="dist", this rank's."""
         self._check_drained("a checkpoint")
         return [w.state_dict() for w in self.workers]
 
@@ -502,10 +536,10 @@ class Pipeline:
         self.fed = self.step_count = step
         self._reported = step * self.microbatches
         self.schedule, self.ledger = self._generate(step + FIRST_HORIZON)
-        for s, worker in enumerate(self.workers):
-            worker.use_schedule(self.schedule, self.ledger.stages[s], fresh=True)
-            worker.load_state_dict(dict(parts[s]))
-        self.emulator = self._emulator(step)
+        for worker, part in zip(self.workers, parts, strict=True):
+            worker.use_schedule(self.schedule, self.ledger.stages[worker.stage], fresh=True)
+            worker.load_state_dict(dict(part))
+        self.emulator = self._runner(step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._check_drained("load_state_dict()")
@@ -529,6 +563,13 @@ class Pipeline:
                     "or have other shapes: split the same model at the same points"
                 )
         self.load_stage_parts(state["step"], state["stages"])
+
+
+def _dist() -> Any:
+    """The multi-process runner (layer 2), imported only when asked for."""
+    from nobubble.dist import api
+
+    return api
 
 
 def _find_ties(stages: list[nn.Module]) -> list[Tie]:

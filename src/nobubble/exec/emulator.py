@@ -30,6 +30,10 @@ class Emulator:
         # optional gate: an action runs only once it says yes (the API: its batch was fed)
         self.available: Callable[[Action], bool] | None = None
 
+    def set_schedule(self, schedule: Schedule) -> None:
+        """Go on under a schedule whose actions so far are the ones already run."""
+        self.schedule = schedule
+
     def _position_after_step(self, rank: int, step: int) -> int:
         if step == 0:
             return 0

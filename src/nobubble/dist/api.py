@@ -1,0 +1,266 @@
+"""``Pipeline(runtime="dist")``: this process runs one stage, its rank's, over torch.distributed.
+
+Every rank builds the same ``Pipeline`` and feeds it the same batches; rank r runs stage r's
+actions in its order, posting exactly the ``comm`` plan of the schedule (checked to complete
+under NCCL's rules) through ``TreeTransport``, the runtime's transport for boundaries that are a
+tensor or a tuple or dict of tensors. A rank runs an action once its batch was fed (as the
+emulator does), so a ``step`` call returns without waiting on batches not fed yet.
+
+Boundary shapes are agreed once, at the first batch: rank 0 runs its stage on micro-batch 0 and
+sends the structure, shapes and dtypes of its output to rank 1, which runs its stage on zeros of
+that shape, and so on down the pipeline (one forward per stage, no gradient).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from nobubble.comm import RECV, SEND, Batch, check_communication
+from nobubble.dist.transport import DistTransport, Handle, shutdown
+from nobubble.exec import Interpreter, StageWorker
+from nobubble.exec.tree import call_args, differentiable, pack_grads, tensor_leaves, unpack_grads
+from nobubble.ir import STEP, Action, F, Schedule
+
+Spec = tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]  # treespec, leaf shapes and dtypes
+
+
+def join(num_stages: int, stages: Sequence[nn.Module]) -> int:
+    """Join (or start, from torchrun's environment) the process group; this process's rank,
+    which is the stage it runs. The world must hold one process per stage."""
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(
+                f"runtime='dist' needs a process group: start the script with torchrun "
+                f"(--nproc-per-node {num_stages}) or set {', '.join(missing)}"
+            )
+        device = next(stages[int(os.environ["RANK"])].parameters()).device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=600))
+    world = dist.get_world_size()
+    if world != num_stages:
+        raise ValueError(
+            f"runtime='dist' runs one stage per process: the world holds {world} processes for "
+            f"{num_stages} stages; start {num_stages} processes"
+        )
+    return dist.get_rank()
+
+
+def _objects_group(device: torch.device) -> Any:
+    """Pickled objects travel over gloo (on NCCL they would cross the GPU)."""
+    return dist.new_group(backend="gloo") if device.type == "cuda" else None
+
+
+def gather_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()})
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def close() -> None:
+    """Leave the process group (call it on every rank after the last step)."""
+    if dist.is_initialized():
+        shutdown()
+
+
+def _spec(value: Any) -> Spec:
+    flat, treespec = pytree.tree_flatten(value)
+    return pytree.treespec_dumps(treespec), [(tuple(t.shape), t.dtype) for t in flat]
+
+
+class TreeTransport(DistTransport):
+    """``DistTransport`` for boundaries of several tensors: a message is the list of its leaves,
+    one point-to-point operation each, all in the batch the plan puts it in."""
+
+    def __init__(
+        self,
+        batches: Sequence[Batch],
+        in_spec: Spec | None,
+        out_spec: Spec | None,
+        device: torch.device,
+        num_stages: int,
+        start_position: int,
+        timeout_s: float,
+    ) -> None:
+        super().__init__(
+            batches, (), torch.float32, device, num_stages, start_position, timeout_s
+        )
+        self.in_spec, self.out_spec = in_spec, out_spec
+        self.leaves_out: dict[Action, list[torch.Tensor]] = {}  # handed over, not posted yet
+        self.leaves_in: dict[Action, tuple[Handle, list[torch.Tensor]]] = {}  # receives posted
+        self.in_tree = None if in_spec is None else pytree.treespec_loads(in_spec[0])
+        # the gradients coming back are those of this stage's floating output leaves
+        self.grad_leaves = (
+            []
+            if out_spec is None
+            else [(shape, dtype) for shape, dtype in out_spec[1] if dtype.is_floating_point]
+        )
+
+    def replan(self, batches: Sequence[Batch]) -> None:
+        """A longer (or drained) schedule: the batches not posted yet come from its plan."""
+        self.batches = list(batches)
+        self.cursor = next(
+            (k for k, b in enumerate(self.batches) if b.position >= self.position),
+            len(self.batches),
+        )
+
+    def send(self, producer: Action, tensor: Any, dst_stage: int) -> None:
+        leaves = tensor_leaves(tensor) if producer.kind == F else unpack_grads(tensor)
+        self.leaves_out[producer] = [t.contiguous() for t in leaves]
+
+    def _buffers(self, message: Action) -> list[torch.Tensor]:
+        if message.kind == F:
+            assert self.in_spec is not None, "stage 0 receives no activation"
+            leaves = self.in_spec[1]
+        else:
+            leaves = self.grad_leaves
+        return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in leaves]
+
+    def _post_point_to_point(self, position: int) -> None:
+        from nobubble.comm import COLLECTIVES
+
+        while (batch := self._next_batch(position)) is not None:
+            if batch.ops[0].kind in COLLECTIVES:
+                return
+            self.cursor += 1
+            ops, per_op = [], []
+            for op in batch.ops:
+                tensors: list[torch.Tensor]
+                if op.kind == SEND:
+                    handed = self.leaves_out.pop(op.message, None)
+                    assert handed is not None, f"plan sends {op.message}; nothing handed over"
+                    tensors = handed
+                    ops += [dist.P2POp(dist.isend, t, op.peer, tag=0) for t in tensors]
+                else:
+                    assert op.kind == RECV
+                    tensors = self._buffers(op.message)
+                    ops += [dist.P2POp(dist.irecv, t, op.peer, tag=0) for t in tensors]
+                per_op.append(tensors)
+            handle = self._launch(ops)
+            for op, tensors in zip(batch.ops, per_op, strict=True):
+                if op.kind == SEND:
+                    kept: Any = tensors  # the buffers live until the send completes
+                    self.sending.append((handle, kept, op.message))
+                else:
+                    self.leaves_in[op.message] = (handle, tensors)
+            self._reap()
+
+    def flush(self) -> None:
+        assert not self.leaves_out, f"handed over but not posted: {sorted(self.leaves_out)}"
+        super().flush()
+
+    def recv(self, producer: Action, dst_stage: int) -> Any:
+        handle, leaves = self.leaves_in.pop(producer)
+        self.peer_of_last_wait = producer.stage
+        handle.wait(self.timeout_s, f"the receive of {producer} from rank {producer.stage}")
+        self.peer_of_last_wait = None
+        if producer.kind == F:
+            assert self.in_tree is not None
+            return pytree.tree_unflatten(leaves, self.in_tree)
+        return pack_grads(leaves)
+
+
+class RankRunner:
+    """Runs this rank's actions of the pipeline's schedule (the emulator's face, one rank)."""
+
+    def __init__(self, pipe: Any, worker: StageWorker, start_step: int = 0) -> None:
+        self.pipe, self.worker = pipe, worker
+        self.rank, self.num_stages = worker.stage, pipe.num_stages
+        self.schedule: Schedule = pipe.schedule
+        self.pointer = [0] * self.num_stages
+        if start_step:
+            order = self.schedule.ranks[self.rank]
+            self.pointer[self.rank] = 1 + next(
+                i for i, a in enumerate(order) if a.kind == STEP and a.number == start_step
+            )
+        self.transport: TreeTransport | None = None
+        self.interpreter: Interpreter | None = None
+        self.objects = _objects_group(worker.device)
+
+    def _plan(self) -> list[Batch]:
+        plans = check_communication(self.schedule, self.pipe.global_clip, self.pipe.drains)
+        return plans[self.rank]
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        if self.transport is not None:
+            self.transport.replan(self._plan())
+
+    # ----- shapes, once -------------------------------------------------------------------------
+    def _agree(self) -> None:
+        """Agree on the boundary specs down the pipeline (module docstring), then build the
+        transport."""
+        worker, rank = self.worker, self.rank
+        in_spec: Spec | None = None
+        if rank == 0:
+            inputs = worker._to_device(self.pipe.batches[min(self.pipe.batches)][0])
+        else:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=rank - 1, group=self.objects)
+            in_spec = box[0]
+            assert in_spec is not None
+            flat = [torch.zeros(shape, dtype=dtype, device=worker.device) for shape, dtype in in_spec[1]]
+            inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(in_spec[0]))
+        out_spec: Spec | None = None
+        if rank < self.num_stages - 1:
+            args, kwargs = call_args(inputs)
+            with torch.no_grad(), worker.autocast():
+                out = worker.module(*args, **kwargs)
+            out_spec = _spec(out)
+            if not differentiable(out):
+                raise TypeError(f"stage {rank} output holds no floating tensor to train through")
+            dist.send_object_list([out_spec], dst=rank + 1, group=self.objects)
+        self.transport = TreeTransport(
+            self._plan(),
+            in_spec,
+            out_spec,
+            worker.device,
+            self.num_stages,
+            self.pointer[rank],
+            self.pipe.timeout,
+        )
+        self.interpreter = Interpreter(
+            worker, self.transport, self.num_stages, self.pipe.global_clip, record=False
+        )
+
+    # ----- running --------------------------------------------------------------------------------
+    def _execute(self, action: Action) -> None:
+        assert self.interpreter is not None
+        self.interpreter.execute(action)
+        if action.kind == STEP:
+            self.pipe._on_step(action)
+
+    def advance(self) -> None:
+        if self.transport is None:
+            self._agree()
+        order, i = self.schedule.ranks[self.rank], self.pointer[self.rank]
+        while i < len(order) and self.pipe._available(order[i]):
+            self._execute(order[i])
+            i += 1
+            self.pointer[self.rank] = i
+
+    def run(self, until_step: int) -> None:
+        """Run through this rank's STEP ``until_step`` (a drain point), then finish the sends."""
+        if self.transport is None:
+            self._agree()
+        assert self.transport is not None
+        order, i = self.schedule.ranks[self.rank], self.pointer[self.rank]
+        while i < len(order):
+            action = order[i]
+            self._execute(action)
+            i += 1
+            self.pointer[self.rank] = i
+            if action.kind == STEP and action.number == until_step:
+                break
+        self.transport.flush()
