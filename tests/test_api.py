@@ -265,7 +265,7 @@ def test_pipeline_refuses_bad_stages_and_batches():
     )
     refuses(r"unknown schedule 'zbv'", lambda: nobubble.Pipeline(stages(), loss_fn, schedule="zbv"))
     refuses(
-        r"runtime='dist' is not available",
+        r"runtime='dist' needs a process group: start the script with torchrun",
         lambda: nobubble.Pipeline(stages(), loss_fn, runtime="dist"),
     )
     pipe = nobubble.Pipeline(stages(), loss_fn)
