@@ -19,8 +19,8 @@ from torch import nn
 
 import nobubble
 from _reference import LiveWeightsLoop
-from nobubble.ir import Schedule
-from nobubble.ledger import Ledger
+from nobubble.core.ir import Schedule
+from nobubble.core.ledger import Ledger
 
 M = 4  # micro-batches per step
 LR = 1e-2

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nobubble.ir import STEP, Action, B, F, Schedule
-from nobubble.ledger import Ledger
+from nobubble.core.ir import STEP, Action, B, F, Schedule
+from nobubble.core.ledger import Ledger
+from nobubble.core.sim import CostModel, simulate
 from nobubble.model import ModelConfig, build_model, split_model
 from nobubble.optim import OptimConfig, build_optimizer, lr_at
-from nobubble.sim import CostModel, simulate
 
 CFG = ModelConfig(
     vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=16

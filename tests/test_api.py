@@ -29,8 +29,8 @@ from _api_reference import (
     run_pipeline,
     weights,
 )
-from nobubble.ledger import build_ledger
-from nobubble.schedules import build_schedule
+from nobubble.core.ledger import build_ledger
+from nobubble.core.schedules import build_schedule
 
 ROWS = 8  # rows per batch (2 per micro-batch)
 

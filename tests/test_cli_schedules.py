@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from nobubble.cli import main
-from nobubble.ir import ScheduleError
-from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
-from nobubble.schedules.bounds import MAX_ACTIONS, num_actions
+from nobubble.core.ir import ScheduleError
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
+from nobubble.core.schedules.bounds import MAX_ACTIONS, num_actions
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from nobubble.comm import (
+from nobubble.core.comm import (
     DRAIN,
     GATHER,
     RECV,
@@ -20,8 +20,8 @@ from nobubble.comm import (
     prefetch_batches,
     rank_batches,
 )
-from nobubble.ir import Action
-from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
+from nobubble.core.ir import Action
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
 
 STEPS = 4
 

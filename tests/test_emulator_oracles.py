@@ -30,13 +30,13 @@ from _reference import (
     optim_config,
     plain_accumulation,
 )
+from nobubble.core.ir import Schedule
+from nobubble.core.ledger import Ledger, build_ledger
+from nobubble.core.schedules import build_schedule
+from nobubble.core.validate import validate
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker, build_workers
-from nobubble.ir import Schedule
-from nobubble.ledger import Ledger, build_ledger
 from nobubble.model import build_model, lm_loss, split_model
 from nobubble.optim import DelayCorrection, ErrorFeedback, NoCorrection, build_optimizer, lr_at
-from nobubble.schedules import build_schedule
-from nobubble.validate import validate
 
 RTOL = 1e-6
 M, N = 4, 6  # micro-batches per step and steps of the whole-model comparisons

@@ -284,8 +284,8 @@ def test_code_version_ignores_comments_and_docstrings_not_code(tmp_path):
 
 def test_training_sources_cover_the_numerics_and_skip_the_readers():
     names = set(keys.training_sources())
-    for name in ("model/gpt.py", "optim/build.py", "exec/worker.py", "schedules/paci.py"):
+    for name in ("model/gpt.py", "optim/build.py", "exec/worker.py", "core/schedules/paci.py"):
         assert name in names
-    for name in ("ir.py", "deps.py", "ledger.py", "config.py", "train.py", "data/dataset.py"):
+    for name in ("core/ir.py", "core/deps.py", "core/ledger.py", "config.py", "train.py"):
         assert name in names
-    assert not any(n.startswith(("experiments/", "viz/")) for n in names)
+    assert not any(n.startswith(("experiments/", "core/viz/")) for n in names)

@@ -20,9 +20,9 @@ from _api_reference import (
     run_pipeline,
     weights,
 )
-from nobubble.ledger import build_ledger
+from nobubble.core.ledger import build_ledger
+from nobubble.core.schedules import build_schedule
 from nobubble.model import lm_loss
-from nobubble.schedules import build_schedule
 
 transformers = pytest.importorskip("transformers")
 VOCAB, SEQ_LEN, ROWS = 64, 16, 8

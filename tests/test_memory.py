@@ -7,11 +7,11 @@ import itertools
 import pytest
 import torch
 
-from nobubble.ledger import build_ledger
+from nobubble.core.ledger import build_ledger
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
+from nobubble.core.schedules.bounds import num_actions, peak_inflight, peak_versions
 from nobubble.model import ModelConfig, build_model, model_config, split_model
 from nobubble.model.memory import StageLoad, machine_bytes, saved_bytes
-from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
-from nobubble.schedules.bounds import num_actions, peak_inflight, peak_versions
 
 
 def measured_saved_bytes(stage: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: str):

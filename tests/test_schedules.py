@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.ir import STEP, B, F, Schedule
-from nobubble.ledger import build_ledger
-from nobubble.schedules import SCHEDULE_NAMES, build_schedule
-from nobubble.validate import validate
+from nobubble.core.ir import STEP, B, F, Schedule
+from nobubble.core.ledger import build_ledger
+from nobubble.core.schedules import SCHEDULE_NAMES, build_schedule
+from nobubble.core.validate import validate
 
 grid = settings(max_examples=60, deadline=None)
 stages = st.integers(1, 16)

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.ir import Action, Schedule, ScheduleError
-from nobubble.schedules import build_schedule
-from nobubble.sim import CostModel, simulate
-from nobubble.validate import ScheduleValidationError, validate
+from nobubble.core.ir import Action, Schedule, ScheduleError
+from nobubble.core.schedules import build_schedule
+from nobubble.core.sim import CostModel, simulate
+from nobubble.core.validate import ScheduleValidationError, validate
 
 grid = settings(max_examples=40, deadline=None)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from nobubble.cli import main
+from nobubble.core.schedules import build_schedule
 from nobubble.dist.synthetic import run_synthetic
-from nobubble.schedules import build_schedule
 
 
 def test_synthetic_run_executes_every_action_of_every_rank():

@@ -25,15 +25,15 @@ _EXPORTS = {
     "StepResult": "nobubble.pipeline",
     "MicrobatchLoss": "nobubble.pipeline",
     "split": "nobubble.splitting",
-    "SCHEDULE_NAMES": "nobubble.schedules",
+    "SCHEDULE_NAMES": "nobubble.core.schedules",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from nobubble.core.schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
     from nobubble.pipeline import MicrobatchLoss as MicrobatchLoss
     from nobubble.pipeline import Pipeline as Pipeline
     from nobubble.pipeline import StepResult as StepResult
-    from nobubble.schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
     from nobubble.splitting import split as split
 
 

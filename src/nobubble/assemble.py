@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from nobubble.config import TrainConfig
+from nobubble.core.ir import Schedule
+from nobubble.core.ledger import Ledger, build_ledger
+from nobubble.core.schedules import SCHEDULES, build_schedule
+from nobubble.core.validate import validate
 from nobubble.data import TokenData, prepare_data
 from nobubble.exec import StageWorker
-from nobubble.ir import Schedule
-from nobubble.ledger import Ledger, build_ledger
 from nobubble.model import (
     ModelConfig,
     StageModule,
@@ -36,8 +38,6 @@ from nobubble.optim import (
     lr_at,
 )
 from nobubble.pipeline import Pipeline
-from nobubble.schedules import SCHEDULES, build_schedule
-from nobubble.validate import validate
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from nobubble.core.ledger import build_ledger
+from nobubble.core.schedules import build_schedule
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
-from nobubble.ledger import build_ledger
 from nobubble.model import build_model, lm_loss, model_config, partition_layers, split_model
 from nobubble.optim import NoCorrection, OptimConfig, build_optimizer
-from nobubble.schedules import build_schedule
 
 
 @dataclass(frozen=True)

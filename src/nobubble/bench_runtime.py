@@ -30,10 +30,10 @@ from typing import Any
 
 from nobubble.assemble import load_data
 from nobubble.config import TrainConfig
+from nobubble.core.errors import NobubbleError
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES
 from nobubble.dist.torch_peer import TORCH_SCHEDULES, launch_peer
-from nobubble.errors import NobubbleError
 from nobubble.model import model_config, partition_layers, partition_rows
-from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES
 
 REFERENCES = ("1f1b", "torch-1f1b")  # the ratios' denominators, when they are benchmarked
 

@@ -18,13 +18,13 @@ from typing import Any
 
 import tomllib
 
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, resolve_microbatches
+from nobubble.core.util import physical_memory_bytes
 from nobubble.data import DataConfig
 from nobubble.hf import check_installed, config_layers
 from nobubble.model import MODEL_PRESETS, model_config
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
 from nobubble.optim import OPTIMIZERS, OptimConfig
-from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, resolve_microbatches
-from nobubble.util import physical_memory_bytes
 
 CORRECTIONS = ("none", "ef", "sync-warmup")
 DTYPES = ("fp32", "bf16")

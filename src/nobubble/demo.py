@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nobubble.errors import NobubbleError
-from nobubble.ir import Action
-from nobubble.viz import save_gantt
+from nobubble.core.errors import NobubbleError
+from nobubble.core.ir import Action
+from nobubble.core.viz import save_gantt
 
 SCHEDULES = ("1f1b", "paci")
 

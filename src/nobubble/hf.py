@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nobubble.errors import MissingExtra
+from nobubble.core.errors import MissingExtra
 from nobubble.splitting import balanced_cuts
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")

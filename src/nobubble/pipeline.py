@@ -24,11 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from nobubble.core.ir import STEP, Action, Schedule
+from nobubble.core.ledger import Ledger, build_ledger
+from nobubble.core.schedules import SCHEDULES, build_schedule, resolve_microbatches, schedule_info
+from nobubble.core.validate import validate
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
 from nobubble.exec.tree import Tree
 from nobubble.exec.worker import Tie
-from nobubble.ir import STEP, Action, Schedule
-from nobubble.ledger import Ledger, build_ledger
 from nobubble.optim import (
     DelayCorrection,
     ErrorFeedback,
@@ -38,8 +40,6 @@ from nobubble.optim import (
     build_optimizer,
 )
 from nobubble.optim.config import OPTIMIZERS
-from nobubble.schedules import SCHEDULES, build_schedule, resolve_microbatches, schedule_info
-from nobubble.validate import validate
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]

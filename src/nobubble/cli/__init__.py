@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from nobubble import __version__
 from nobubble.cli import bench_cmds, experiment_cmds, export_cmds, schedule_cmds, train_cmds
-from nobubble.errors import MissingExtra, NobubbleError
+from nobubble.core.errors import MissingExtra, NobubbleError
 
 log = logging.getLogger("nobubble")
 

@@ -7,8 +7,8 @@ import json
 import time
 
 from nobubble.cli.schedule_cmds import positive_int, print_table
-from nobubble.schedules import SCHEDULE_NAMES, build_schedule
-from nobubble.sim import CostModel, simulate
+from nobubble.core.schedules import SCHEDULE_NAMES, build_schedule
+from nobubble.core.sim import CostModel, simulate
 
 
 def cmd_bench_sim(args: argparse.Namespace) -> int:

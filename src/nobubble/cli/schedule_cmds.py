@@ -7,12 +7,12 @@ import json
 import sys
 from typing import Any
 
-from nobubble.ir import Schedule, format_grid
-from nobubble.ledger import build_ledger
-from nobubble.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule, schedule_info
-from nobubble.sim import CostModel, simulate
-from nobubble.sim.cost import parse_durations
-from nobubble.validate import validate
+from nobubble.core.ir import Schedule, format_grid
+from nobubble.core.ledger import build_ledger
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule, schedule_info
+from nobubble.core.sim import CostModel, simulate
+from nobubble.core.sim.cost import parse_durations
+from nobubble.core.validate import validate
 
 
 def positive_int(text: str) -> int:
@@ -193,7 +193,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cost = cost_from_args(args)
     results = {s.name: (s, simulate(s, cost)) for s in schedules_from_args(args)}
     if args.trace:
-        from nobubble.viz import save_trace, trace_events
+        from nobubble.core.viz import save_trace, trace_events
 
         events = []
         for pid, (schedule, res) in enumerate(results.values()):
@@ -201,7 +201,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             events += trace_events(lanes, process_name=schedule.name, pid=pid)
         save_trace(args.trace, events)
     if args.plot:
-        from nobubble.viz import save_gantt
+        from nobubble.core.viz import save_gantt
 
         panels = [
             (

@@ -50,9 +50,9 @@ def _parse_bool(text: str) -> bool:
 def build_train_parser() -> argparse.ArgumentParser:
     """The full ``train`` parser; built only for ``train`` because it imports torch."""
     from nobubble.config import TrainConfig
+    from nobubble.core.schedules import SCHEDULE_NAMES
     from nobubble.data.config import TOKENIZERS
     from nobubble.optim import OPTIMIZERS
-    from nobubble.schedules import SCHEDULE_NAMES
 
     choices: dict[str, tuple[str, ...]] = {
         "schedule": SCHEDULE_NAMES,

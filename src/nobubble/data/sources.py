@@ -20,8 +20,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from nobubble.core.errors import NobubbleError
 from nobubble.data.atomic import atomic_write_bytes
-from nobubble.errors import NobubbleError
 
 logger = logging.getLogger(__name__)
 

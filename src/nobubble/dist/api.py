@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from nobubble.comm import RECV, SEND, Batch, check_communication
+from nobubble.core.comm import RECV, SEND, Batch, check_communication
 from nobubble.dist.transport import DistTransport, Handle, shutdown
 from nobubble.exec import Interpreter, StageWorker
 from nobubble.exec.tree import call_args, differentiable, pack_grads, tensor_leaves, unpack_grads
-from nobubble.ir import STEP, Action, F, Schedule
+from nobubble.core.ir import STEP, Action, F, Schedule
 
 Spec = tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]  # treespec, leaf shapes and dtypes
 
@@ -128,7 +128,7 @@ class TreeTransport(DistTransport):
         return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in leaves]
 
     def _post_point_to_point(self, position: int) -> None:
-        from nobubble.comm import COLLECTIVES
+        from nobubble.core.comm import COLLECTIVES
 
         while (batch := self._next_batch(position)) is not None:
             if batch.ops[0].kind in COLLECTIVES:

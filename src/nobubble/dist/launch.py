@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nobubble.checkpoint import check_work_left, read_manifest
 from nobubble.config import TrainConfig
-from nobubble.errors import NobubbleError
+from nobubble.core.errors import NobubbleError
 from nobubble.train import RunResult, resolve_run_dir
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from nobubble.checkpoint import (
     staging_dir,
 )
 from nobubble.config import TrainConfig
-from nobubble.comm import check_communication
+from nobubble.core.comm import check_communication
 from nobubble.dist.clock import CudaClock, HostClock
 from nobubble.dist.transport import (
     EVAL_TAG_BASE,
@@ -44,11 +44,11 @@ from nobubble.dist.transport import (
     shutdown,
 )
 from nobubble.exec import Interpreter, misplaced
-from nobubble.ir import STEP, Action
+from nobubble.core.ir import STEP, Action
 from nobubble.metrics import MetricsWriter, truncate_metrics
-from nobubble.sim.metrics import measured_utilization
+from nobubble.core.sim.metrics import measured_utilization
 from nobubble.train import RunResult, provenance, resolve_run_dir, run_summary, sample_from_state
-from nobubble.viz import save_gantt, save_trace, trace_events
+from nobubble.core.viz import save_gantt, save_trace, trace_events
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.comm import check_communication
+from nobubble.core.comm import check_communication
 from nobubble.dist.launch import _watch, free_port, rank_env
 from nobubble.dist.transport import DistTransport, shutdown
 from nobubble.exec import Interpreter
-from nobubble.ir import Schedule
-from nobubble.schedules import build_schedule
-from nobubble.validate import validate
+from nobubble.core.ir import Schedule
+from nobubble.core.schedules import build_schedule
+from nobubble.core.validate import validate
 
 TOKEN = (1,)  # the payload each transfer carries: one float
 
@@ -178,7 +178,7 @@ def compare_with_simulator(
     """
     from statistics import median
 
-    from nobubble.sim import CostModel, simulate
+    from nobubble.core.sim import CostModel, simulate
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in schedules}
     for _ in range(rounds):

@@ -42,7 +42,7 @@ from nobubble.config import TrainConfig
 from nobubble.data import TokenData
 from nobubble.dist.launch import _watch, free_port, rank_env
 from nobubble.dist.transport import shutdown
-from nobubble.errors import NobubbleError
+from nobubble.core.errors import NobubbleError
 from nobubble.model import StageModule
 from nobubble.model.gpt import lm_loss, run_layers
 from nobubble.optim import (

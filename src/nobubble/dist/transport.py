@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.comm import COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch
-from nobubble.ir import Action
-from nobubble.placement import rank_of
+from nobubble.core.comm import COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch
+from nobubble.core.ir import Action
+from nobubble.core.placement import rank_of
 from nobubble.optim import sum_over_stages
 
 # Evaluation traffic (blocking send/recv at drain points, when nothing else is pending).

@@ -7,13 +7,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nobubble.core.ir import Schedule
+from nobubble.core.ledger import Ledger
 from nobubble.exec.emulator import Emulator
 from nobubble.exec.interpreter import Interpreter
 from nobubble.exec.transport import InProcessTransport, Transport
 from nobubble.exec.versions import WeightVersions, alias
 from nobubble.exec.worker import Batch, LossFn, StageWorker, misplaced
-from nobubble.ir import Schedule
-from nobubble.ledger import Ledger
 from nobubble.optim import DelayCorrection, StageOptimizer
 
 __all__ = [

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nobubble.deps import remote_dependency
+from nobubble.core.deps import remote_dependency
+from nobubble.core.ir import STEP, Action, Schedule
 from nobubble.exec.interpreter import Interpreter
 from nobubble.exec.transport import InProcessTransport
-from nobubble.ir import STEP, Action, Schedule
 
 
 class Emulator:

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from nobubble.deps import remote_dependency, sends_after
+from nobubble.core.deps import remote_dependency, sends_after
+from nobubble.core.ir import STEP, Action, B, F
 from nobubble.exec.transport import Transport
 from nobubble.exec.worker import StageWorker
-from nobubble.ir import STEP, Action, B, F
 
 
 class Interpreter:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from nobubble.ir import Action
+from nobubble.core.ir import Action
 from nobubble.optim import sum_over_stages
 
 

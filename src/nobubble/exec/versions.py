@@ -20,8 +20,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from nobubble.ir import Schedule
-from nobubble.ledger import StageLedger
+from nobubble.core.ir import Schedule
+from nobubble.core.ledger import StageLedger
 
 
 def alias(p: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from nobubble.core.ir import Schedule
+from nobubble.core.ledger import StageLedger
 from nobubble.exec.tree import (
     BoundarySpec,
     Tree,
@@ -30,8 +32,6 @@ from nobubble.exec.tree import (
     unpack_grads,
 )
 from nobubble.exec.versions import WeightVersions
-from nobubble.ir import Schedule
-from nobubble.ledger import StageLedger
 from nobubble.optim import (
     DelayCorrection,
     StageOptimizer,

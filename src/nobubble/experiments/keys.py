@@ -28,9 +28,12 @@ from typing import Any
 NOT_KEYED = ("out", "resume", "progress", "stop_at", "master_port", "dist_timeout")
 NOT_TRAINING_CODE = (
     "experiments",
-    "viz",
+    "core/viz",
     "cli/experiment_cmds.py",
     "cli/schedule_cmds.py",
+    "cli/bench_cmds.py",
+    "cli/export_cmds.py",
+    "export.py",
     "bench.py",
     "bench_runtime.py",
     "demo.py",

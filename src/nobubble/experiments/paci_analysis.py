@@ -60,8 +60,8 @@ def first_reach(run: RunOutcome, target: float, key: str = "step") -> float | No
 def _projected_seconds(
     run: RunOutcome, steps: int, costs: tuple[list[float], list[float]]
 ) -> float:
-    from nobubble.schedules import build_schedule
-    from nobubble.sim import CostModel, simulate
+    from nobubble.core.schedules import build_schedule
+    from nobubble.core.sim import CostModel, simulate
 
     cfg = json.loads((run.run_dir / "config.json").read_text())["config"]
     drain = None if cfg["schedule"] == "1f1b" else cfg["eval_every"]

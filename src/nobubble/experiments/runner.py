@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.errors import NobubbleError
+from nobubble.core.errors import NobubbleError
 from nobubble.experiments import keys
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nobubble.core.schedules.bounds import peak_inflight, peak_versions
 from nobubble.model.config import ModelConfig
 from nobubble.model.partition import partition_layers, partition_rows
-from nobubble.schedules.bounds import peak_inflight, peak_versions
 
 FP32, BF16, INT64 = 4, 2, 8
 

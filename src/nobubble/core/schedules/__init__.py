@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from nobubble.ir import Schedule, ScheduleError
-from nobubble.schedules import gpipe, one_f_one_b, paci, pipedream, two_bw
-from nobubble.schedules.bounds import MAX_ACTIONS, check_size
-from nobubble.util import paused_gc
+from nobubble.core.ir import Schedule, ScheduleError
+from nobubble.core.schedules import gpipe, one_f_one_b, paci, pipedream, two_bw
+from nobubble.core.schedules.bounds import MAX_ACTIONS, check_size
+from nobubble.core.util import paused_gc
 
 Generator = Callable[..., Schedule]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nobubble.ir import Schedule, ScheduleError
-from nobubble.schedules._order import continuous_1f1b
+from nobubble.core.ir import Schedule, ScheduleError
+from nobubble.core.schedules._order import continuous_1f1b
 
 NAME = "2bw"
 SUMMARY = "async: 1F1B no flush, batch j at version j-1 (one-step delay), 2 weight copies; M >= P-1"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from nobubble.ir import STEP, B, F, Schedule
+from nobubble.core.ir import STEP, B, F, Schedule
 
 
 def forward_version(rule: str, batch: int, current: int, sync_warmup: int = 0) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from nobubble.ir import Action
+from nobubble.core.ir import Action
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "STEP": "#55A868", "SEND": "#8172B3", "RECV": "#937860"}
 

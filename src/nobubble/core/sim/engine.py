@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.deps import FLOW, remote_dependency
-from nobubble.ir import Action, B, F, Schedule
-from nobubble.sim.cost import CostModel
+from nobubble.core.deps import FLOW, remote_dependency
+from nobubble.core.ir import Action, B, F, Schedule
+from nobubble.core.sim.cost import CostModel
 
 
 class Deadlock(RuntimeError):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nobubble.ir import Action
+from nobubble.core.ir import Action
 
 
 def trace_events(

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from nobubble.ir import Action, B, F, Schedule
-from nobubble.ledger import Ledger
+from nobubble.core.ir import Action, B, F, Schedule
+from nobubble.core.ledger import Ledger
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nobubble.ir import Schedule
-from nobubble.schedules._order import all_f_then_all_b, insert_steps
+from nobubble.core.ir import Schedule
+from nobubble.core.schedules._order import all_f_then_all_b, insert_steps
 
 NAME = "gpipe"
 SUMMARY = "synchronous: all F then all B per batch, flush; M micro-batches held per stage"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nobubble.ir import STEP, Action, B, F
+from nobubble.core.ir import STEP, Action, B, F
 
 
 def one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[Action]:

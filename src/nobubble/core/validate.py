@@ -9,13 +9,13 @@ shows the schedule grid with the failing cell marked.
 
 from __future__ import annotations
 
-from nobubble.deps import local_prerequisites
-from nobubble.ir import COMPUTE_KINDS, STEP, Action, B, F, Schedule, ScheduleError, format_grid
-from nobubble.ledger import forward_version
-from nobubble.placement import rank_of
-from nobubble.sim.cost import CostModel
-from nobubble.sim.engine import Deadlock, blocked_on, run_timeline
-from nobubble.util import paused_gc
+from nobubble.core.deps import local_prerequisites
+from nobubble.core.ir import COMPUTE_KINDS, STEP, Action, B, F, Schedule, ScheduleError, format_grid
+from nobubble.core.ledger import forward_version
+from nobubble.core.placement import rank_of
+from nobubble.core.sim.cost import CostModel
+from nobubble.core.sim.engine import Deadlock, blocked_on, run_timeline
+from nobubble.core.util import paused_gc
 
 
 class ScheduleValidationError(ScheduleError):

@@ -27,9 +27,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from nobubble.deps import remote_dependency, sends_after
-from nobubble.ir import STEP, Action, Schedule, ScheduleError
-from nobubble.placement import rank_of
+from nobubble.core.deps import remote_dependency, sends_after
+from nobubble.core.ir import STEP, Action, Schedule, ScheduleError
+from nobubble.core.placement import rank_of
 
 SEND, RECV, GATHER, DRAIN = "send", "recv", "gather", "drain"
 COLLECTIVES = (GATHER, DRAIN)

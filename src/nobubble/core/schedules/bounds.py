@@ -9,8 +9,8 @@ the ledger.
 
 from __future__ import annotations
 
-from nobubble.ir import ScheduleError
-from nobubble.schedules import gpipe, one_f_one_b, pipedream, two_bw
+from nobubble.core.ir import ScheduleError
+from nobubble.core.schedules import gpipe, one_f_one_b, pipedream, two_bw
 
 # Largest schedule build_schedule generates. Measured on the 2-core development machine, under a
 # load of about 5 from other jobs, with paci at P=64, M=256: at 3.48M actions (106 steps)

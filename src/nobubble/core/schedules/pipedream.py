@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nobubble.ir import Schedule
-from nobubble.schedules._order import continuous_1f1b
+from nobubble.core.ir import Schedule
+from nobubble.core.schedules._order import continuous_1f1b
 
 NAME = "pipedream"
 SUMMARY = "async: 1F1B no flush, stash the forward's weights, step every a backwards (a=1 default)"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nobubble.ir import Schedule
-from nobubble.schedules._order import insert_steps, one_f_one_b
+from nobubble.core.ir import Schedule
+from nobubble.core.schedules._order import insert_steps, one_f_one_b
 
 NAME = "1f1b"
 SUMMARY = "synchronous: 1F1B per batch with a flush; min(P-s, M) micro-batches held per stage"

@@ -6,7 +6,7 @@ kind or placement changes one place.
 
 from __future__ import annotations
 
-from nobubble.ir import STEP, Action, B, F
+from nobubble.core.ir import STEP, Action, B, F
 
 # The rule as data: a forward on stage s reads the activation of the same micro-batch's forward on
 # stage s-1; a backward reads the gradient of the same micro-batch's backward on stage s+1. Kinds

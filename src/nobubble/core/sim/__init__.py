@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nobubble.ir import Schedule
-from nobubble.ledger import Ledger, build_ledger
-from nobubble.sim.cost import CostModel
-from nobubble.sim.engine import Deadlock, Timeline, run_timeline
-from nobubble.sim.metrics import Metrics, compute_metrics
-from nobubble.util import paused_gc
+from nobubble.core.ir import Schedule
+from nobubble.core.ledger import Ledger, build_ledger
+from nobubble.core.sim.cost import CostModel
+from nobubble.core.sim.engine import Deadlock, Timeline, run_timeline
+from nobubble.core.sim.metrics import Metrics, compute_metrics
+from nobubble.core.util import paused_gc
 
 __all__ = ["CostModel", "Deadlock", "Metrics", "SimResult", "Timeline", "simulate"]
 
@@ -26,7 +26,7 @@ def simulate(schedule: Schedule, cost: CostModel, check: bool = True) -> SimResu
 
     The engine run doubles as the deadlock check, so validation costs one pass over the orders.
     """
-    from nobubble.validate import check_orders, deadlock_error  # validate imports the engine
+    from nobubble.core.validate import check_orders, deadlock_error  # validate imports the engine
 
     with paused_gc():
         if check:

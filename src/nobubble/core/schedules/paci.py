@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nobubble.ir import Schedule
-from nobubble.schedules._order import continuous_1f1b
+from nobubble.core.ir import Schedule
+from nobubble.core.schedules._order import continuous_1f1b
 
 NAME = "paci"
 SUMMARY = "async: 1F1B no flush, no stash, step every a backwards; bounded crossed updates"
