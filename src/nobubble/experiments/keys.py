@@ -75,7 +75,8 @@ def training_sources(root: Path | None = None) -> dict[str, Path]:
     sources = {}
     for path in sorted(root.rglob("*.py")):
         name = path.relative_to(root).as_posix()
-        if name not in NOT_TRAINING_CODE and name.split("/")[0] not in NOT_TRAINING_CODE:
+        folders = ["/".join(name.split("/")[:n]) for n in range(1, name.count("/") + 1)]
+        if name not in NOT_TRAINING_CODE and not set(folders) & set(NOT_TRAINING_CODE):
             sources[name] = path
     return sources
 
