@@ -46,7 +46,7 @@ OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimi
 CORRECTIONS = ("none", "ef", "sync-warmup")
 RUNTIMES = ("emulate", "dist")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-FIRST_HORIZON = 16  # steps a segment's schedule is first generated for
+FIRST_HORIZON = 16  # steps the schedule is first generated for (and at least ahead of the feed)
 MARGIN = 2  # steps the horizon keeps ahead of the batches fed (1 suffices: tested for all)
 FORMAT = "nobubble.pipeline/1"
 
@@ -66,7 +66,7 @@ class StepResult:
     """What one ``Pipeline.step`` (or ``drain``) call finished."""
 
     losses: list[MicrobatchLoss] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)  # optimizer steps every stage completed
+    steps: list[int] = field(default_factory=list)  # steps every local stage completed
     grad_norms: dict[int, list[float]] = field(default_factory=dict)  # step -> norm per stage
     in_flight: int = 0  # micro-batches fed whose loss has not been reported yet
 
