@@ -174,7 +174,7 @@ def make_correction(cfg: TrainConfig) -> DelayCorrection:
     return ErrorFeedback(cfg.ef_lambda) if cfg.correction == "ef" else NoCorrection()
 
 
-def make_pipeline(plan: Plan, stages: list[nn.Module]) -> Pipeline:
+def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate") -> Pipeline:
     """The emulated pipeline of a ``nobubble train`` run: the public API with the recipe's
     settings (warm-up and cosine learning rate, clipping, weight decay) spelled out."""
     cfg = plan.cfg
@@ -196,6 +196,8 @@ def make_pipeline(plan: Plan, stages: list[nn.Module]) -> Pipeline:
         dtype=cfg.dtype,
         recompute=cfg.paci_recompute,
         steps=cfg.steps,
+        runtime=runtime,
+        timeout=cfg.dist_timeout,
     )
 
 

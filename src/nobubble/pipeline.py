@@ -328,6 +328,9 @@ class Pipeline:
         self.done: dict[int, int] = {}  # step -> stages that have taken it
         self._finished: dict[int, list[float]] = {}  # step -> gradient norm per stage
         self._reported = 0
+        # called with each step number a local stage completes (nobubble train's runtime)
+        self.on_step: Callable[[int], None] | None = None
+        self.runner_options: dict[str, Any] = {}  # the "dist" runner's: record, clock, strict
         self.emulator = self._runner(0)
 
     # ----- schedules ---------------------------------------------------------------------------
@@ -433,6 +436,8 @@ class Pipeline:
         return self._result()
 
     def _on_step(self, action: Action) -> None:
+        if self.on_step is not None:
+            self.on_step(action.number)
         done = self.done
         done[action.number] = done.get(action.number, 0) + 1
         if done[action.number] == len(self.workers):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from nobubble.core.comm import RECV, SEND, Batch, check_communication
-from nobubble.dist.transport import DistTransport, Handle, shutdown
+from nobubble.dist.transport import DistTransport, Handle, StrictTransport, shutdown
 from nobubble.exec import Interpreter, StageWorker
 from nobubble.exec.tree import call_args, differentiable, pack_grads, tensor_leaves, unpack_grads
 from nobubble.core.ir import STEP, Action, F, Schedule
@@ -171,6 +171,10 @@ class TreeTransport(DistTransport):
         return pack_grads(leaves)
 
 
+class StrictTreeTransport(TreeTransport, StrictTransport):
+    """``TreeTransport`` under NCCL's one-stream completion rule, on any backend."""
+
+
 class RankRunner:
     """Runs this rank's actions of the pipeline's schedule (the emulator's face, one rank)."""
 
@@ -186,7 +190,9 @@ class RankRunner:
             )
         self.transport: TreeTransport | None = None
         self.interpreter: Interpreter | None = None
+        self.current: Action | None = None  # the action being run (failure messages name it)
         self.objects = _objects_group(worker.device)
+
 
     def _plan(self) -> list[Batch]:
         plans = check_communication(self.schedule, self.pipe.global_clip, self.pipe.drains)
@@ -221,7 +227,11 @@ class RankRunner:
             if not differentiable(out):
                 raise TypeError(f"stage {rank} output holds no floating tensor to train through")
             dist.send_object_list([out_spec], dst=rank + 1, group=self.objects)
-        self.transport = TreeTransport(
+        # nobubble train's runtime sets these before the first step: spans recorded on its
+        # clock, and NCCL's completion rules on any backend (--strict-p2p)
+        options = self.pipe.runner_options
+        kind = StrictTreeTransport if options.get("strict") else TreeTransport
+        self.transport = kind(
             self._plan(),
             in_spec,
             out_spec,
@@ -230,13 +240,20 @@ class RankRunner:
             self.pointer[rank],
             self.pipe.timeout,
         )
+        clock = {"clock": options["clock"]} if "clock" in options else {}
         self.interpreter = Interpreter(
-            worker, self.transport, self.num_stages, self.pipe.global_clip, record=False
+            worker,
+            self.transport,
+            self.num_stages,
+            self.pipe.global_clip,
+            record=bool(options.get("record")),
+            **clock,
         )
 
     # ----- running --------------------------------------------------------------------------------
     def _execute(self, action: Action) -> None:
         assert self.interpreter is not None
+        self.current = action
         self.interpreter.execute(action)
         if action.kind == STEP:
             self.pipe._on_step(action)

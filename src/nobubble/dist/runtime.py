@@ -1,8 +1,8 @@
-"""One rank of the multi-process runtime: its stage, its order, the shared interpreter.
+"""One rank of the multi-process runtime of ``nobubble train``, on the public API.
 
-Each process builds the same plan (schedule, ledger, split) from the same config, keeps its own
-stage and executes its own action order through the interpreter the emulator uses; only the
-transport differs. Drain points are where ranks meet: pipelined validation, the gathering of
+Each process builds the same plan (schedule, ledger, split) from the same config, and runs its
+own stage through ``nobubble.Pipeline(runtime="dist")``: the interpreter the emulator uses, the
+checked communication plan, fed batch by batch and drained at the evaluation points. Drain points are where ranks meet: pipelined validation, the gathering of
 per-step figures and spans for the run directory (written by the last rank, which holds the
 loss), and checkpoints (each rank writes its part; the manifest is written once all exist).
 """
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.assemble import load_data, make_plan, make_stages, make_worker
+from nobubble.assemble import load_data, make_pipeline, make_plan, make_stages
 from nobubble.checkpoint import (
     check_fingerprint,
     check_work_left,
@@ -36,16 +36,11 @@ from nobubble.checkpoint import (
 from nobubble.config import TrainConfig
 from nobubble.core.comm import check_communication
 from nobubble.dist.clock import CudaClock, HostClock
-from nobubble.dist.transport import (
-    EVAL_TAG_BASE,
-    DistTransport,
-    Handle,
-    StrictTransport,
-    shutdown,
-)
+from nobubble.dist.transport import EVAL_TAG_BASE, Handle, StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
 from nobubble.core.ir import STEP, Action
 from nobubble.metrics import MetricsWriter, truncate_metrics
+from nobubble.pipeline import StepResult
 from nobubble.core.sim.metrics import measured_utilization
 from nobubble.train import RunResult, provenance, resolve_run_dir, run_summary, sample_from_state
 from nobubble.core.viz import save_gantt, save_trace, trace_events
@@ -120,29 +115,31 @@ class RankRun:
         if self.rank == 0:
             self._barrier()
         self.plan = make_plan(cfg, self.data.vocab_size)
-        module = make_stages(self.plan)[self.rank].to(self.device)
-        self.worker = make_worker(self.plan, module, self.data)
+        # What every rank will post is checked first to complete under NCCL's rules.
+        check_communication(self.plan.schedule, cfg.global_clip, self.plan.drain_points)
+        stages: list[torch.nn.Module] = list(make_stages(self.plan))
+        stages[self.rank] = stages[self.rank].to(self.device)
+        self.pipe = make_pipeline(self.plan, stages, runtime="dist")
+        for s, stage in enumerate(stages):  # the other stages' weights are not needed here
+            if s != self.rank:
+                stage.to("meta")
+        self.worker = self.pipe.workers[0]
         if manifest is not None:
-            self.worker.load_state_dict(load_part(self.run_dir, manifest, self.rank, self.device))
+            part = load_part(self.run_dir, manifest, self.rank, self.device)
+            self.pipe.load_stage_parts(self.start_step, [part])
+            self.worker = self.pipe.workers[0]
             wrong = misplaced(self.worker.state_dict(), self.device)
             assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
-        self.order = self.plan.schedule.ranks[self.rank]
-        self.position = 0 if not self.start_step else 1 + next(
-            i for i, a in enumerate(self.order) if a.kind == STEP and a.number == self.start_step)
-        # What this rank posts, checked first to complete under NCCL's rules on every rank.
-        batches = check_communication(
-            self.plan.schedule, cfg.global_clip, self.plan.drain_points
-        )[self.rank]
         assert self.plan.model_cfg is not None, "config refuses --runtime dist for hf: models"
-        shape = (cfg.micro_batch_size, cfg.seq_len, self.plan.model_cfg.dim)
-        kind = StrictTransport if cfg.strict_p2p else DistTransport
-        self.transport = kind(batches, shape, torch.float32, self.device, cfg.stages,
-                              start_position=self.position, timeout_s=cfg.dist_timeout)
+        self.hidden_shape = (cfg.micro_batch_size, cfg.seq_len, self.plan.model_cfg.dim)
         # spans from CUDA events on a GPU (the host clock would time the kernel launches), else
         # the wall clock, comparable across the processes of one machine
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
-        self.interpreter = Interpreter(self.worker, self.transport, cfg.stages, cfg.global_clip,
-                                       clock=self.clock)
+        self.pipe.runner_options = {"record": True, "clock": self.clock, "strict": cfg.strict_p2p}
+        self.pipe.on_step = self._on_step
+        self.bar: Any = None
+        self.losses: dict[int, float] = {}  # micro-batch -> loss (last rank)
+        self.grad_norms: dict[int, float] = {}  # step -> this stage's gradient norm
         self.step_times: dict[int, float] = {}
         self.records: list[dict[str, Any]] = []
         self.segment_start = 0  # spans since the last drain point
@@ -150,42 +147,72 @@ class RankRun:
         # failure there names the meeting and the ranks it waits for, not the last action.
         self.meeting: tuple[str, list[int]] | None = None
 
+    # ----- the pipeline's runner: its transport, interpreter and position ------------------------
+    @property
+    def runner(self) -> Any:
+        return self.pipe.emulator
+
+    @property
+    def transport(self) -> Any:
+        return self.runner.transport
+
+    @property
+    def interpreter(self) -> Interpreter:
+        return self.runner.interpreter
+
+    @property
+    def current(self) -> Action | None:
+        return self.runner.current
+
+    @property
+    def position(self) -> int:
+        return int(self.runner.pointer[self.rank])
+
     # ----- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult | None:
         from tqdm import tqdm
 
         writer = self._open_run_dir()
         show = self.rank == self.last and self.cfg.progress
-        bar = tqdm(total=self.cfg.steps, initial=self.start_step, desc=f"{self.cfg.schedule} "
-                   f"(dist, {self.env.world_size} ranks)", unit="step", disable=not show,
-                   leave=False)
+        self.bar = bar = tqdm(total=self.cfg.steps, initial=self.start_step,
+                              desc=f"{self.cfg.schedule} (dist, {self.env.world_size} ranks)",
+                              unit="step", disable=not show, leave=False)
         start_time: list[Any] = [time.time()]
         dist.broadcast_object_list(start_time, src=0, group=self.objects)
         self.t0 = float(start_time[0]) - self._resumed_elapsed()
         stop = self.cfg.stop_at or self.cfg.steps
         try:
+            done = self.start_step
             for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
-                self._run_until(point, bar)
+                self._run_until(done, point)
                 self._drain_point(point, writer)
+                done = point
         finally:
             bar.close()
             if writer is not None:
                 writer.close()
         return self._finish()
 
-    def _run_until(self, step: int, bar: Any) -> None:
-        while self.position < len(self.order):
-            action = self.order[self.position]
-            self.current = action
-            self.interpreter.execute(action)
-            self.position += 1
-            if action.kind == STEP:
-                self.step_times[action.number] = time.time()
-                bar.update(1)
-                if action.number == step:
-                    break
-        self.transport.flush()
+    def _run_until(self, done: int, step: int) -> None:
+        """Feed batches ``done`` .. ``step - 1`` and drain after step ``step``."""
+        m = self.plan.schedule.num_microbatches
+        for j in range(done, step):
+            pieces = [
+                self.data.train_microbatch(i, self.cfg.micro_batch_size)
+                for i in range(j * m, (j + 1) * m)
+            ]
+            x, y = torch.cat([a for a, _ in pieces]), torch.cat([b for _, b in pieces])
+            self._collect(self.pipe.step(x, y))
+        self._collect(self.pipe.drain())  # runs through this rank's STEP `step`, sends done
         self.clock.settle(self.interpreter)  # a GPU's spans become seconds here
+
+    def _on_step(self, number: int) -> None:
+        self.step_times[number] = time.time()
+        self.bar.update(1)
+
+    def _collect(self, result: StepResult) -> None:
+        self.losses.update({item.microbatch: item.value for item in result.losses})
+        self.grad_norms.update({step: norms[0] for step, norms in result.grad_norms.items()})
 
     def _barrier(self) -> None:
         dist.barrier(group=self.objects)
@@ -197,7 +224,7 @@ class RankRun:
         module, P = self.worker.module, self.env.world_size
         module.eval()
         batches = self.data.val_batches(self.cfg.micro_batch_size, self.cfg.eval_batches)
-        shape = self.transport.shape
+        shape = self.hidden_shape
         losses = []
         for i, (x, y) in enumerate(batches):
             tag = EVAL_TAG_BASE + i
@@ -230,7 +257,7 @@ class RankRun:
         val_loss = self._evaluate()
         segment = self.interpreter.spans[self.segment_start:]
         self.segment_start = len(self.interpreter.spans)
-        mine = {"grad_norms": self.worker.grad_norms, "times": self.step_times,
+        mine = {"grad_norms": self.grad_norms, "times": self.step_times,
                 "spans": [(str(a), s, e) for a, s, e in segment]}
         gathered: list[Any] = [None] * self.env.world_size
         others = [r for r in range(P) if r != self.rank]
@@ -238,7 +265,7 @@ class RankRun:
         dist.all_gather_object(gathered, mine, group=self.objects)
         if self.rank == self.last:
             self._write_records(step, gathered, val_loss, writer)
-        self.worker.grad_norms, self.step_times = {}, {}
+        self.grad_norms, self.step_times = {}, {}
         every = self.cfg.checkpoint_every
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
@@ -256,7 +283,7 @@ class RankRun:
         m = self.plan.schedule.num_microbatches
         done = sorted(gathered[self.last]["times"])
         for j in done:
-            losses = self.worker.pop_losses(range((j - 1) * m, j * m))
+            losses = [self.losses.pop(i) for i in range((j - 1) * m, j * m)]
             record = {"step": j, "loss": sum(losses) / len(losses),
                       "lr": self.worker.lr_of(j), "tokens": j * self.cfg.tokens_per_step,
                       "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
@@ -420,7 +447,7 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         what, ranks = run.meeting
         names = ", ".join(str(r) for r in ranks)
         where = f"in the {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
-    elif run is not None and getattr(run, "current", None) is not None:
+    elif run is not None and getattr(run, "pipe", None) is not None and run.current is not None:
         peer = run.transport.peer_of_last_wait
         waiting = f", waiting for rank {peer}" if peer is not None else ""
         where = f"at position {run.position} ({run.current}){waiting}"
