@@ -291,16 +291,15 @@ def depth(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
 # The three semantics of a no-flush 1F1B pipeline that steps every a backwards (issue 12, item 4),
 # each run beside the flush baseline at P=4, a=M=4, AdamW. The fp32 arm is the main grid's paci
 # run; these are the other two, plus the flush baseline in bf16 that the bf16 arm pairs with.
-# arm -> (run name part, settings)
-PACI_ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+ARMS_A = 4
+PACI_ARMS: dict[str, dict[str, Any]] = {
     # autocast saves each Linear's bf16 weight copy made at forward time: the backward's matrix
     # products read the forward's weights, only the norm gains are live (paper B's runs)
-    "bf16": ("paci-bf16", {"schedule": "paci", "dtype": "bf16"}),
-    "flush-bf16": ("flush-bf16", {"schedule": "1f1b", "dtype": "bf16"}),
+    "bf16": {"schedule": "paci", "dtype": "bf16"},
+    "flush-bf16": {"schedule": "1f1b", "dtype": "bf16"},
     # every weight stashed: forward and backward both at the forward's version
-    "pipedream": ("pipedream", {"schedule": "pipedream", "accum": 4}),
+    "pipedream": {"schedule": "pipedream", "accum": ARMS_A},
 }
-ARMS_A = 4
 
 
 def paci_arms(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
@@ -310,11 +309,11 @@ def paci_arms(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSp
     common = {"optimizer": "adamw", "lr": lrs["adamw"], "stages": 4, "clip": 0.0}
     return [
         RunSpec(
-            f"paci-{part}-adamw-a{ARMS_A}-s{seed}",
+            f"paci-{arm}-adamw-a{ARMS_A}-s{seed}",
             {**common, **settings, "microbatches": ARMS_A, "seed": seed},
             {"optimizer": "adamw", "a": ARMS_A, "seed": seed, "study": "arms", "arm": arm},
         )
-        for arm, (part, settings) in PACI_ARMS.items()
+        for arm, settings in PACI_ARMS.items()
         for seed in range(seeds)
     ]
 
