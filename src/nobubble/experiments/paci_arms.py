@@ -73,7 +73,9 @@ def arms_table(s: dict[str, Any]) -> list[str]:
         f"The three arms of paci (AdamW, P=4, a=M={s['a']}): what a backward reads after its "
         f"micro-batch crossed an update. Flush val {_ms(s['flush'])} (fp32), "
         f"{_ms(s['flush_bf16'])} (bf16). Paper B's runs correspond to the "
-        f"`{s['paper_b_arm']}` arm (bf16 autocast).",
+        f"`{s['paper_b_arm']}` arm: they trained under bf16 autocast, where each Linear's "
+        "backward reads the bf16 weight copy made at forward time, so only the norm gains are "
+        "live; the fp32 arm is harsher than what paper B ran, the pipedream arm gentler.",
         "",
         "| arm | backward reads | val | arm - flush fp32 | arm - flush bf16 |",
         "|---|---|---|---|---|",
