@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from nobubble.experiments import analysis, grids, keys, report, runner, stats, targets
+from nobubble.experiments import (
+    analysis,
+    grids,
+    keys,
+    paci_arms,
+    report,
+    runner,
+    stats,
+    targets,
+)
 from nobubble.experiments.runner import RunOutcome, RunSpec
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -203,6 +212,36 @@ def test_depth_and_paci_verdicts_follow_the_papers_classes():
     (part,) = report.verdict_paci({"pairs": [pair]})
     assert part.startswith("not reproduced: adamw a=4 paci - flush +0.6100, 95% CI")
     assert "within the bound [1, 1, 1, 0]" in part and "equal to flush's" in part
+
+
+def test_paci_arms_pair_each_arm_with_its_flush_by_seed():
+    vals = {
+        ("1f1b", None): (4.0, 4.5, 5.0),
+        ("paci", None): (4.2, 4.6, 5.3),
+        (None, "bf16"): (4.1, 4.55, 5.05),
+        (None, "flush-bf16"): (4.0, 4.5, 5.0),
+        (None, "pipedream"): (4.3, 4.7, 5.4),
+    }
+    runs = []
+    for (schedule, arm), per_seed in vals.items():
+        for seed, v in enumerate(per_seed):
+            labels = {"optimizer": "adamw", "a": 4, "seed": seed}
+            labels |= {"schedule": schedule} if arm is None else {"study": "arms", "arm": arm}
+            runs.append(_outcome(f"{schedule or arm}-s{seed}", v, **labels))
+    summary = paci_arms.analyze_arms({o.spec.name: o for o in runs})
+    assert summary is not None and summary["paper_b_arm"] == "bf16"
+    arms = summary["arms"]
+    assert stats.per_seed(arms["fp32"]["minus_flush"]) == pytest.approx({0: 0.2, 1: 0.1, 2: 0.3})
+    assert stats.per_seed(arms["pipedream"]["minus_flush"]) == pytest.approx(
+        {0: 0.3, 1: 0.2, 2: 0.4}
+    )
+    assert stats.per_seed(arms["bf16"]["minus_flush_bf16"]) == pytest.approx(
+        {0: 0.1, 1: 0.05, 2: 0.05}
+    )
+    parts = report.verdict_paci({"pairs": [], "arms": summary})
+    bf16 = [p for p in parts if "paper B's setting" in p]
+    assert len(bf16) == 1 and "paci bf16 a=4 - flush bf16 +0.0667, 95% CI" in bf16[0]
+    assert any("arm pipedream: pipedream a=4 - flush +0.3000" in p for p in parts)
 
 
 def test_report_marks_old_summaries_stale(tmp_path):

@@ -73,6 +73,10 @@ def test_quick_summaries_have_the_reported_keys(root):
     # the smaller-step side study: a tenth of the tuned lr (the quick grid has nothing below)
     assert [r["lr"] for r in paci["lower_lr"]] == [pytest.approx(3e-4)]
     assert all(math.isfinite(r["diff"]) for r in paci["lower_lr"])
+    # the three arms of paci at a=4 (issue 12, item 4); paper B ran the bf16 one
+    arms = paci["arms"]
+    assert set(arms["arms"]) == {"fp32", "bf16", "pipedream"} and arms["paper_b_arm"] == "bf16"
+    assert "minus_flush_bf16" in arms["arms"]["bf16"]
 
 
 def test_finished_runs_are_reused_not_redone(root):
@@ -105,6 +109,8 @@ def test_report_collects_every_experiment(root, tmp_path):
     assert "**Verdict:**" in text
     assert text.index("## Verdict rules") < text.index("## One-step delay")
     assert "inconclusive (1 seed; R4)" in text  # the quick profile runs one seed
+    assert "arm bf16 (paper B's setting: bf16 autocast): paci bf16 a=4 - flush bf16" in text
+    assert "| pipedream | stashed:" in text
     assert list((tmp_path / "img" / "results").glob("*.png"))
 
 

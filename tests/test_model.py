@@ -397,6 +397,7 @@ def test_no_rotary_state_in_state_dict() -> None:
     "name,low,high",
     [
         ("tiny", 0.5e6, 1.5e6),
+        ("tiny-deep", 1e6, 1.5e6),
         ("mini", 3e6, 4e6),
         ("small", 5e6, 10e6),
         ("medium", 30e6, 50e6),
@@ -411,7 +412,15 @@ def test_preset_parameter_counts_on_meta_device(name, low, high) -> None:
     counted = sum(p.numel() for p in model.parameters())
     assert counted == cfg.num_params()
     assert low <= counted <= high
-    assert set(MODEL_PRESETS) == {"tiny", "mini", "small", "medium", "gpt2-medium", "1b"}
+    assert set(MODEL_PRESETS) == {
+        "tiny",
+        "tiny-deep",
+        "mini",
+        "small",
+        "medium",
+        "gpt2-medium",
+        "1b",
+    }
 
 
 def test_gpt2_medium_matches_the_paper_size_at_gpt2_vocab() -> None:

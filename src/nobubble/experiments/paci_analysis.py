@@ -17,6 +17,7 @@ import torch
 
 from nobubble.experiments import stats
 from nobubble.experiments.analysis import FORMAT, _curves, _ms, final_val, mean_std, select
+from nobubble.experiments.paci_arms import analyze_arms, arms_table
 from nobubble.experiments.runner import RunOutcome
 
 
@@ -179,6 +180,7 @@ def analyze_paci(
         "format": FORMAT,
         "pairs": pairs,
         "lower_lr": sorted(lower_lr, key=lambda r: -r["lr"]),
+        "arms": analyze_arms(outcomes),
         "measured": measured,
         "figures": ["paci_curves.png", "paci_drift.png"],
     }
@@ -269,6 +271,7 @@ def paci_table(summary: dict[str, Any]) -> str:
             f"| {r['lr']:g} | {r['val_flush']:.4f} | {r['val_paci']:.4f} | {r['diff']:+.4f} |"
             for r in summary["lower_lr"]
         ]
+    lines += arms_table(summary.get("arms") or {})
     m = summary.get("measured")
     if m:
         lines += [

@@ -158,7 +158,22 @@ def verdict_paci(s: dict[str, Any]) -> list[str]:
             f"{bound} and activation memory {'equal to' if same_memory else 'unlike'} flush's "
             "(checks, not statistics)"
         )
-    return parts or ["inconclusive (no pair ran)"]
+    return (parts or ["inconclusive (no pair ran)"]) + _verdict_arms(s.get("arms"), paper)
+
+
+def _verdict_arms(arms: dict[str, Any] | None, paper: float) -> list[str]:
+    """Each arm of paci against the flush of its precision; the bf16 arm is paper B's setting."""
+    if not arms:
+        return []
+    parts = []
+    for arm, row in arms["arms"].items():
+        own = row.get("minus_flush_bf16", row["minus_flush"])
+        base = "flush bf16" if "minus_flush_bf16" in row else "flush"
+        mark = " (paper B's setting: bf16 autocast)" if arm == arms["paper_b_arm"] else ""
+        name = "pipedream" if arm == "pipedream" else f"paci {arm}"
+        what = f"arm {arm}{mark}: {name} a={arms['a']} - {base}"
+        parts.append(_claim(what, own, LOSS_MARGIN, paper, f"at most {paper:+.3f} in magnitude"))
+    return parts
 
 
 def _rules() -> list[str]:
