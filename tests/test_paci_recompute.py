@@ -25,7 +25,7 @@ import torch
 from torch.func import functional_call
 
 from _reference import CFG, SEED, batch_fn, optim_config
-from nobubble.ledger import Ledger
+from nobubble.core.ledger import Ledger
 from nobubble.model import GPT, build_model, partition_layers
 from nobubble.model.gpt import lm_loss, rotary_cos_sin
 from nobubble.optim import build_optimizer, lr_at
