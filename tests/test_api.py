@@ -160,6 +160,35 @@ def test_state_dict_resumes_exactly_and_merges_under_the_model_names():
     assert list(merged) == list(make_model().state_dict())
 
 
+def test_evaluate_gives_the_unsplit_models_loss_and_changes_no_training_state():
+    """``evaluate`` at a drain point: the mean of the micro-batch losses that the unsplit model
+    with the pipeline's weights gives, in eval mode; training then goes on as if it never ran."""
+    pipe, _, _ = run_pipeline(SEQ, "paci", 2, 5, drain_every=3)
+    model = make_model()
+    model.load_state_dict(pipe.merged_state_dict())
+    x, y = batch(99)
+    model.train(False)
+    with torch.no_grad():
+        pieces = zip(x.chunk(2), y.chunk(2), strict=True)
+        expected = [float(loss_fn(model(a), b)) for a, b in pieces]
+    assert pipe.evaluate(x, y, microbatches=2) == sum(expected) / 2
+    assert all(stage.training for stage in pipe.stages)  # back in train mode
+    # an evaluation at the drain point after step 3 leaves the run where it would have been
+    again, _, _ = run_pipeline(SEQ, "paci", 2, 3)
+    again.evaluate(x, y)
+    for j in range(3, 5):
+        again.step(*batch(j))
+    again.drain()
+    assert_bitwise(weights(again.stages), weights(pipe.stages))
+    pipe.step(*batch(5))
+    assert pipe.in_flight  # paci finishes a batch's last backward a step later
+    with pytest.raises(RuntimeError, match=r"drain\(\) first"):
+        pipe.evaluate(x, y)
+    pipe.drain()
+    with pytest.raises(ValueError, match="microbatches=0"):
+        pipe.evaluate(x, y, microbatches=0)
+
+
 def test_stages_may_pass_tuples_and_dicts():
     """A stage output of several tensors reaches the next stage as arguments; the gradient of
     each floating tensor flows back (an integer tensor carries none)."""

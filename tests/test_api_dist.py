@@ -1,10 +1,10 @@
-"""``Pipeline(runtime="dist")``: two real processes over gloo give the emulator's numbers.
+"""``Pipeline(runtime="dist")``: real processes over gloo give the emulator's numbers.
 
-Each case starts two ranks that build the same pipeline and feed the same batches (with a drain
-in the middle), then compares the last rank's losses and each rank's weights with the emulated
-pipeline of this process, bitwise: the runtime posts the same arithmetic in the same order, and
-the only cross-rank reduction (the global gradient norm) adds the stages' shares in stage order
-on every rank.
+Each case starts one rank per stage; they build the same pipeline and feed the same batches
+(with a drain in the middle), then the test compares the last rank's losses and each rank's
+weights with the emulated pipeline of this process, bitwise: the runtime posts the same
+arithmetic in the same order, and the only cross-rank reductions (the global gradient norm, the
+sum of tied gradients) add the stages' shares in stage order on every rank.
 """
 
 from __future__ import annotations
@@ -32,12 +32,14 @@ out = sys.argv[2]
 import problems
 problem = problems.PROBLEMS[case["problem"]]
 from _api_reference import run_pipeline
-pipe, losses, _ = run_pipeline(problem, case["schedule"], 2, case["steps"], case["drain"],
-                               runtime="dist", timeout=60, **case["options"])
+pipe, losses, _ = run_pipeline(problem, case["schedule"], case["stages"], case["steps"],
+                               case["drain"], runtime="dist", timeout=60, **case["options"])
 rank = pipe.rank
 weights = {n: p.detach().clone() for n, p in pipe.stages[rank].named_parameters()}
 merged = pipe.merged_state_dict()
-torch.save({"losses": losses, "weights": weights, "merged": sorted(merged)}, f"{out}/rank{rank}.pt")
+val = pipe.evaluate(*problem.batch(99))
+torch.save({"losses": losses, "weights": weights, "merged": sorted(merged), "val": val},
+           f"{out}/rank{rank}.pt")
 pipe.close()
 """
 
@@ -53,6 +55,7 @@ PROBLEMS = {
 try:
     import test_hf
     PROBLEMS["llama"] = test_hf.LLAMA
+    PROBLEMS["gpt2"] = test_hf.GPT2
 except Exception:  # transformers missing: the llama case skips
     pass
 """
@@ -66,15 +69,16 @@ def problems() -> dict:
 
 
 def run_ranks(case: dict, out: Path) -> None:
+    world = case["stages"]
     (out / "problems.py").write_text(PROBLEMS_MODULE)
     (out / "rank.py").write_text(RANK_SCRIPT)
     port = free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         env = dict(
             os.environ,
             RANK=str(rank),
-            WORLD_SIZE="2",
+            WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
@@ -92,35 +96,41 @@ def run_ranks(case: dict, out: Path) -> None:
 
 
 CASES = [
-    ("seq", "1f1b", {"clip": 0.5}),  # global clipping: the norm gathered across the ranks
-    ("seq", "paci", {}),
-    ("seq", "2bw", {"correction": "ef"}),
-    ("tree", "1f1b", {}),  # a dict boundary with an integer leaf
-    ("llama", "paci", {}),
+    ("seq", "1f1b", 2, {"clip": 0.5}),  # global clipping: the norm gathered across the ranks
+    ("seq", "paci", 2, {}),
+    ("seq", "2bw", 2, {"correction": "ef"}),
+    ("tree", "1f1b", 2, {}),  # a dict boundary with an integer leaf
+    ("llama", "paci", 2, {}),
+    # tied embeddings on ranks 0 and 2: the pair swaps gradients, rank 1 gets their square
+    ("gpt2", "1f1b", 3, {"clip": 0.5}),
 ]
 
 
-@pytest.mark.parametrize(("problem", "schedule", "options"), CASES, ids=lambda v: str(v))
-def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, options, tmp_path):
+@pytest.mark.parametrize(("problem", "schedule", "stages", "options"), CASES, ids=lambda v: str(v))
+def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, options, tmp_path):
     available = problems()
     if problem not in available:
         pytest.skip("transformers is not installed")
     case = {
         "problem": problem,
         "schedule": schedule,
+        "stages": stages,
         "steps": STEPS,
         "drain": DRAIN,
         "options": options,
     }
     run_ranks(case, tmp_path)
     torch.set_num_threads(1)
-    pipe, losses, _ = run_pipeline(available[problem], schedule, 2, STEPS, DRAIN, **options)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert parts[0]["losses"] == [] and parts[1]["losses"] == losses
+    pipe, losses, _ = run_pipeline(available[problem], schedule, stages, STEPS, DRAIN, **options)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(stages)]
+    assert all(part["losses"] == [] for part in parts[:-1]) and parts[-1]["losses"] == losses
     for rank, part in enumerate(parts):
         ours = {n: p.detach() for n, p in pipe.stages[rank].named_parameters()}
         assert part["weights"].keys() == ours.keys()
         for name, value in ours.items():
             assert torch.equal(part["weights"][name], value), (rank, name)
+    assert [part["val"] for part in parts] == [None] * (stages - 1) + [
+        pipe.evaluate(*available[problem].batch(99))
+    ]
     whole = sorted(n for s in pipe.stages for n in s.state_dict())
-    assert parts[0]["merged"] == parts[1]["merged"] == whole
+    assert all(part["merged"] == whole for part in parts)

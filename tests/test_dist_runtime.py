@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from _dist_helpers import (
     MEASURED,
@@ -129,6 +130,33 @@ def test_dist_under_nccl_rules_matches_the_emulator_bitwise(
     dist_dir = dist_run(schedule, stages, strict=True)
     emu_dir = emulate(flags_for(corpus, schedule, stages), tmp_path / "emulated")
     assert_equivalent(dist_dir, emu_dir, stages=stages)
+
+
+def test_dist_trains_a_tied_hugging_face_llama_as_the_emulator_does(corpus, tmp_path):
+    """``--model hf:CONFIG --runtime dist``: a SmolLM2-style Llama whose input and output
+    embeddings are tied, over 3 ranks (the pair swaps gradients, the middle rank gets their
+    square), under --strict-p2p with global clipping: the emulator's numbers, validation and
+    checkpoints included, and the tied copies bitwise equal."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    config.save_pretrained(tmp_path / "model")
+    model = f"hf:{tmp_path / 'model' / 'config.json'}"
+    flags = small_flags(corpus, "1f1b", 3, microbatches=3, dist_timeout=30, model=model)
+    dist_dir = launch([*flags, "--strict-p2p", "true"], tmp_path / "dist")
+    emu_dir = emulate(flags, tmp_path / "emulated")
+    assert_equivalent(dist_dir, emu_dir, stages=3)
+    assert all("val_loss" in r for r in read_metrics(dist_dir) if r["step"] % 3 == 0)
+    first, last = (part["module"] for part in load_parts(dist_dir, 3)[::2])
+    assert torch.equal(first["model.embed_tokens.weight"], last["lm_head.weight"])
 
 
 # ----- 2. the run directory of a dist run --------------------------------------------------------

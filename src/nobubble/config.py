@@ -176,11 +176,6 @@ class TrainConfig:
         if self.is_hf:
             check_installed()
             n_layers = config_layers(self.hf_config())
-            if self.runtime != "emulate":
-                raise ValueError(
-                    f"--model {self.model} runs with --runtime emulate for now (the API's "
-                    "multi-process runtime is not built yet); drop --runtime dist"
-                )
         else:
             n_layers = MODEL_PRESETS[self.model].n_layers
             if self.untie_embeddings:

@@ -245,6 +245,8 @@ class Pipeline:
             raise ValueError(f"clip_scope={clip_scope!r} is unknown: use 'global' or 'stage'")
         self.global_clip = clip is not None and clip_scope == "global"
         self.ties = _find_ties(self.stages)
+        # the stages meet before each step: for the global norm, or to add tied gradients
+        self.meets = self.global_clip or bool(self.ties)
         if self.ties and not info.synchronous:
             a, name_a, b, name_b = self.ties[0]
             raise ValueError(
@@ -252,11 +254,6 @@ class Pipeline:
                 "update the two copies at different times: split with untie=True "
                 "(--untie-embeddings) to train them as two parameters, or use a synchronous "
                 "schedule (gpipe, 1f1b), which adds their gradients before each step"
-            )
-        if self.ties and runtime == "dist":
-            raise ValueError(
-                f"tied parameters ({self.ties[0][3]} of stage {self.ties[0][2]}) run with "
-                "runtime='emulate' for now: use it, or split with untie=True"
             )
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable(step) -> factor, got {lr_schedule!r}")
@@ -368,7 +365,7 @@ class Pipeline:
                 w,
                 self.transport,
                 self.num_stages,
-                self.global_clip or bool(self.ties),  # the stages meet at each step
+                self.meets,
                 record=False,
             )
             for w in self.workers
@@ -434,6 +431,42 @@ class Pipeline:
             self.emulator.run(self.fed)
         assert not self.in_flight
         return self._result()
+
+    def evaluate(
+        self, inputs: Tree, targets: Tree, microbatches: int | None = None
+    ) -> float | None:
+        """The loss of a batch on the current weights: forwards only, stage to stage, in eval
+        mode, changing no training state. The batch is cut into ``microbatches`` pieces (the
+        pipeline's M by default) along dim 0; the result is the mean of their losses, as a
+        step's loss is. Needs a drained pipeline. With runtime="dist", call it on every rank
+        with the same batch: the last rank returns the loss, the others None."""
+        self._check_drained("evaluate()")
+        m = self.microbatches if microbatches is None else microbatches
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"microbatches={m!r} is not allowed: use an integer >= 1")
+        pieces = list(
+            zip(_split_tree(inputs, m, "inputs"), _split_tree(targets, m, "targets"), strict=True)
+        )
+        modes = [(w.module, w.module.training) for w in self.workers]
+        for module, _ in modes:
+            module.eval()
+        try:
+            if self.rank is not None:
+                losses = self.emulator.evaluate(pieces)
+            else:
+                losses = []
+                for x, y in pieces:
+                    h = x
+                    for worker in self.workers:
+                        h = worker.infer(h, y)
+                    losses.append(h)
+        finally:
+            for module, training in modes:
+                module.train(training)
+        if losses is None:
+            return None
+        values = torch.stack([loss.detach().float().reshape(()) for loss in losses]).cpu().tolist()
+        return sum(values) / len(values)
 
     def _on_step(self, action: Action) -> None:
         if self.on_step is not None:

@@ -38,7 +38,7 @@ from nobubble.config import TrainConfig
 from nobubble.data import TokenData
 from nobubble.metrics import MetricsWriter, truncate_metrics
 from nobubble.model import GPT, lm_loss
-from nobubble.pipeline import StepResult
+from nobubble.pipeline import Pipeline, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -130,20 +130,29 @@ def merged_state(stages: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
     return state
 
 
-@torch.no_grad()
-def evaluate(plan: Plan, model: torch.nn.Module, data: TokenData) -> float:
-    batches = data.val_batches(plan.cfg.micro_batch_size, plan.cfg.eval_batches)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.cfg.dtype == "bf16")
-    with autocast:
-        losses = [float(model(x, y)) for x, y in batches]
-    return sum(losses) / len(losses)
+def validation_loss(pipe: Pipeline, cfg: TrainConfig, data: TokenData) -> float | None:
+    """The run's validation loss: ``--eval-batches`` batches of ``--micro-batch-size``
+    windows through the pipeline (``Pipeline.evaluate``), the mean of their losses; None on a
+    rank of the multi-process runtime that does not hold the last stage."""
+    batches = data.val_batches(cfg.micro_batch_size, cfg.eval_batches)
+    inputs = torch.cat([x for x, _ in batches])
+    targets = torch.cat([y for _, y in batches])
+    return pipe.evaluate(inputs, targets, microbatches=len(batches))
 
 
 def sample_from_state(plan: Plan, state: dict[str, torch.Tensor], data: TokenData) -> str | None:
-    """A short seeded sample from the GPT with the weights ``state``."""
+    """A short seeded sample from the whole model with the weights ``state``."""
     if data.tokenizer is None or plan.cfg.sample_tokens == 0:
         return None
-    return sample(plan, merged_model(plan, state), data)
+    if plan.model_cfg is not None:
+        return sample(plan, merged_model(plan, state), data)
+    from nobubble.hf import load_model, untie_embeddings
+
+    whole = load_model(plan.cfg.model.removeprefix("hf:"), seed=plan.cfg.seed)
+    if plan.cfg.untie_embeddings:
+        untie_embeddings(whole)
+    whole.load_state_dict(state)
+    return sample(plan, HFLogits(whole.eval()), data)
 
 
 @torch.no_grad()
@@ -239,8 +248,7 @@ class Trainer:
 
     def _drain_point(self, step: int, metrics: MetricsWriter) -> None:
         record = self.pending
-        with whole_model(self.plan, self.model) as model:
-            record["val_loss"] = evaluate(self.plan, model, self.data)
+        record["val_loss"] = validation_loss(self.pipe, self.cfg, self.data)
         self.result.records.append(record)
         metrics.write(record)
         every = self.cfg.checkpoint_every

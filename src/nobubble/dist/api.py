@@ -23,20 +23,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from nobubble.core.comm import RECV, SEND, Batch, check_communication
-from nobubble.dist.transport import DistTransport, Handle, StrictTransport, shutdown
+from nobubble.core.comm import GATHER, RECV, SEND, Batch, check_communication
+from nobubble.core.ir import STEP, Action, F, Schedule
+from nobubble.dist.transport import (
+    EVAL_TAG_BASE,
+    DistTransport,
+    Handle,
+    StrictTransport,
+    shutdown,
+)
 from nobubble.exec import Interpreter, StageWorker
 from nobubble.exec.tree import call_args, differentiable, pack_grads, tensor_leaves, unpack_grads
-from nobubble.core.ir import STEP, Action, F, Schedule
+from nobubble.exec.worker import Tie, TieMeeting, tied_square
 
 Spec = tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]  # treespec, leaf shapes and dtypes
+MAX_LEAVES = 1024  # evaluation tags: one per boundary leaf of a micro-batch
 
 
 def join(num_stages: int, stages: Sequence[nn.Module]) -> int:
     """Join (or start, from torchrun's environment) the process group; this process's rank,
     which is the stage it runs. The world must hold one process per stage."""
     if not dist.is_initialized():
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
         if missing:
             raise ValueError(
                 f"runtime='dist' needs a process group: start the script with torchrun "
@@ -92,11 +102,12 @@ class TreeTransport(DistTransport):
         num_stages: int,
         start_position: int,
         timeout_s: float,
+        ties: Sequence[Tie] = (),
     ) -> None:
-        super().__init__(
-            batches, (), torch.float32, device, num_stages, start_position, timeout_s
-        )
+        super().__init__(batches, (), torch.float32, device, num_stages, start_position, timeout_s)
         self.in_spec, self.out_spec = in_spec, out_spec
+        self.ties = list(ties)  # the pipeline's tied pairs (exec/worker.py), for ``gather``
+        self.tied_shares: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.leaves_out: dict[Action, list[torch.Tensor]] = {}  # handed over, not posted yet
         self.leaves_in: dict[Action, tuple[Handle, list[torch.Tensor]]] = {}  # receives posted
         self.in_tree = None if in_spec is None else pytree.treespec_loads(in_spec[0])
@@ -170,6 +181,46 @@ class TreeTransport(DistTransport):
             return pytree.tree_unflatten(leaves, self.in_tree)
         return pack_grads(leaves)
 
+    def contribute(self, step: int, stage: int, value: Any) -> None:
+        if isinstance(value, tuple):  # tied parameters: (squared norm without them, their grads)
+            self.tied_shares[step] = value
+        else:
+            super().contribute(step, stage, value)
+
+    def gather(self, step: int, stage: int) -> TieMeeting:
+        """The step's meeting with tied parameters, at the plan's gather (nothing else is in
+        flight there): each pair's two ranks swap their gradients, the lower one computes the
+        square of the sum, and every rank gathers every stage's norm and the pairs' squares.
+        The arithmetic is the emulator's, so the result is bitwise the same."""
+        batch = self._next_batch(self.position)
+        assert batch is not None and batch.ops[0].kind == GATHER, f"plan has no gather at {step}"
+        assert batch.ops[0].message.number == step, f"plan gathers {batch.ops[0]}, not step {step}"
+        self.cursor += 1
+        square, mine = self.tied_shares.pop(step)
+        grads = {(stage, name): g for name, g in mine.items()}
+        ops = []
+        for a, name_a, b, name_b in self.ties:
+            if stage in (a, b):
+                own, peer, other = (name_a, b, (b, name_b))
+                if stage == b:
+                    own, peer, other = name_b, a, (a, name_a)
+                grads[other] = torch.empty_like(mine[own])
+                ops.append(dist.P2POp(dist.isend, mine[own].contiguous(), peer, tag=0))
+                ops.append(dist.P2POp(dist.irecv, grads[other], peer, tag=0))
+        if ops:
+            self._launch(ops).wait(self.timeout_s, f"the tied gradients of step {step}")
+        mine_squares = [square.detach().to(self.device, torch.float64).reshape(1)]
+        for a, name_a, b, name_b in self.ties:
+            pair = tied_square(grads[a, name_a] + grads[b, name_b]) if stage == a else None
+            zero = torch.zeros(1, dtype=torch.float64, device=self.device)
+            mine_squares.append(zero if pair is None else pair.to(self.device).reshape(1))
+        handle, parts = self._all_gather(torch.cat(mine_squares))
+        handle.wait(self.timeout_s, f"the gradient-norm gather of step {step}")
+        pair_squares = {
+            k: parts[a][1 + k] for k, (a, _, b, _) in enumerate(self.ties) if stage not in (a, b)
+        }
+        return TieMeeting([part[:1] for part in parts], grads, pair_squares)
+
 
 class StrictTreeTransport(TreeTransport, StrictTransport):
     """``TreeTransport`` under NCCL's one-stream completion rule, on any backend."""
@@ -193,9 +244,8 @@ class RankRunner:
         self.current: Action | None = None  # the action being run (failure messages name it)
         self.objects = _objects_group(worker.device)
 
-
     def _plan(self) -> list[Batch]:
-        plans = check_communication(self.schedule, self.pipe.global_clip, self.pipe.drains)
+        plans = check_communication(self.schedule, self.pipe.meets, self.pipe.drains)
         return plans[self.rank]
 
     def set_schedule(self, schedule: Schedule) -> None:
@@ -216,7 +266,9 @@ class RankRunner:
             dist.recv_object_list(box, src=rank - 1, group=self.objects)
             in_spec = box[0]
             assert in_spec is not None
-            flat = [torch.zeros(shape, dtype=dtype, device=worker.device) for shape, dtype in in_spec[1]]
+            flat = [
+                torch.zeros(shape, dtype=dtype, device=worker.device) for shape, dtype in in_spec[1]
+            ]
             inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(in_spec[0]))
         out_spec: Spec | None = None
         if rank < self.num_stages - 1:
@@ -239,16 +291,52 @@ class RankRunner:
             self.num_stages,
             self.pointer[rank],
             self.pipe.timeout,
+            self.pipe.ties,
         )
         clock = {"clock": options["clock"]} if "clock" in options else {}
         self.interpreter = Interpreter(
             worker,
             self.transport,
             self.num_stages,
-            self.pipe.global_clip,
+            self.pipe.meets,
             record=bool(options.get("record")),
             **clock,
         )
+
+    # ----- evaluation -----------------------------------------------------------------------------
+    def evaluate(self, pieces: list[tuple[Any, Any]]) -> list[torch.Tensor] | None:
+        """Forwards of ``pieces`` stage to stage, at a drain point (nothing else is posted, so
+        these blocking transfers cannot cross training's). Each boundary's structure travels
+        as a small object first: an evaluation batch may be shaped unlike training's."""
+        worker, rank, last = self.worker, self.rank, self.num_stages - 1
+        losses = []
+        for i, (x, y) in enumerate(pieces):
+            tag = EVAL_TAG_BASE + i * MAX_LEAVES
+            if rank == 0:
+                inputs = x
+            else:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=rank - 1, group=self.objects)
+                treespec, leaves = box[0]
+                flat = [torch.empty(sh, dtype=dt, device=worker.device) for sh, dt in leaves]
+                works = [dist.irecv(t, rank - 1, tag=tag + k) for k, t in enumerate(flat)]
+                self._wait(works, f"the evaluation input {i} from rank {rank - 1}")
+                inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(treespec))
+            out = worker.infer(inputs, y if rank == last else None)
+            if rank == last:
+                losses.append(out)
+                continue
+            spec = _spec(out)
+            if len(spec[1]) > MAX_LEAVES:
+                raise ValueError(f"stage {rank} output has more than {MAX_LEAVES} tensors")
+            dist.send_object_list([spec], dst=rank + 1, group=self.objects)
+            flat_out = [t.contiguous() for t in pytree.tree_leaves(out)]
+            works = [dist.isend(t, rank + 1, tag=tag + k) for k, t in enumerate(flat_out)]
+            self._wait(works, f"the evaluation output {i} to rank {rank + 1}")
+        return losses if rank == last else None
+
+    def _wait(self, works: list[Any], what: str) -> None:
+        Handle(works, self.worker.device.type == "cuda").wait(self.pipe.timeout, what)
 
     # ----- running --------------------------------------------------------------------------------
     def _execute(self, action: Action) -> None:

@@ -40,8 +40,10 @@ def check_port(port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise ValueError(f"--master-port {port} is in use: pick another port, or 0 to let "
-                             "nobubble choose a free one") from None
+            raise ValueError(
+                f"--master-port {port} is in use: pick another port, or 0 to let "
+                "nobubble choose a free one"
+            ) from None
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
@@ -60,9 +62,17 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
 
 def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
     """The environment of local rank ``rank``, as torchrun would set it, plus ``extra``."""
-    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port), TOKENIZERS_PARALLELISM="false", **extra)
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TOKENIZERS_PARALLELISM="false",
+        **extra,
+    )
 
 
 def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
@@ -72,8 +82,9 @@ def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
 
     resolve_device(cfg, 0, cfg.stages)  # a missing GPU is refused here, before any process starts
     if cfg.resume:  # so is a finished run
-        check_work_left(read_manifest(Path(cfg.resume))["step"], cfg.stop_at or cfg.steps,
-                        Path(cfg.resume))
+        check_work_left(
+            read_manifest(Path(cfg.resume))["step"], cfg.stop_at or cfg.steps, Path(cfg.resume)
+        )
     port = cfg.master_port or free_port()
     if cfg.master_port:
         check_port(port)
@@ -92,8 +103,10 @@ def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
         rank, code = failed[0]
         why = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         others = "".join(f", then rank {r} (status {c})" for r, c in failed[1:])
-        raise NobubbleError(f"rank {rank} {why}{others}; the other ranks were stopped. See the "
-                            f"messages above; resume with: nobubble train --resume {run_dir}")
+        raise NobubbleError(
+            f"rank {rank} {why}{others}; the other ranks were stopped. See the "
+            f"messages above; resume with: nobubble train --resume {run_dir}"
+        )
     summary = json.loads((Path(run_dir) / "summary.json").read_text())
     return RunResult(Path(run_dir), [], summary)
 

@@ -2,9 +2,11 @@
 
 Each process builds the same plan (schedule, ledger, split) from the same config, and runs its
 own stage through ``nobubble.Pipeline(runtime="dist")``: the interpreter the emulator uses, the
-checked communication plan, fed batch by batch and drained at the evaluation points. Drain points are where ranks meet: pipelined validation, the gathering of
-per-step figures and spans for the run directory (written by the last rank, which holds the
-loss), and checkpoints (each rank writes its part; the manifest is written once all exist).
+checked communication plan, fed batch by batch and drained at the evaluation points. Drain
+points are where ranks meet: validation through the pipeline (``Pipeline.evaluate``), the
+gathering of per-step figures and spans for the run directory (written by the last rank, which
+holds the loss), and checkpoints (each rank writes its part; the manifest is written once all
+exist).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.assemble import load_data, make_pipeline, make_plan, make_stages
+from nobubble.assemble import load_data, make_model, make_pipeline, make_plan
 from nobubble.checkpoint import (
     check_fingerprint,
     check_work_left,
@@ -35,15 +37,22 @@ from nobubble.checkpoint import (
 )
 from nobubble.config import TrainConfig
 from nobubble.core.comm import check_communication
-from nobubble.dist.clock import CudaClock, HostClock
-from nobubble.dist.transport import EVAL_TAG_BASE, Handle, StrictTransport, shutdown
-from nobubble.exec import Interpreter, misplaced
 from nobubble.core.ir import STEP, Action
+from nobubble.core.sim.metrics import measured_utilization
+from nobubble.core.viz import save_gantt, save_trace, trace_events
+from nobubble.dist.clock import CudaClock, HostClock
+from nobubble.dist.transport import StrictTransport, shutdown
+from nobubble.exec import Interpreter, misplaced
 from nobubble.metrics import MetricsWriter, truncate_metrics
 from nobubble.pipeline import StepResult
-from nobubble.core.sim.metrics import measured_utilization
-from nobubble.train import RunResult, provenance, resolve_run_dir, run_summary, sample_from_state
-from nobubble.core.viz import save_gantt, save_trace, trace_events
+from nobubble.train import (
+    RunResult,
+    provenance,
+    resolve_run_dir,
+    run_summary,
+    sample_from_state,
+    validation_loss,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +69,10 @@ class RankEnv:
         try:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except (KeyError, ValueError):
-            raise ValueError("--runtime dist inside a launcher needs RANK and WORLD_SIZE in the "
-                             "environment (torchrun sets them)") from None
+            raise ValueError(
+                "--runtime dist inside a launcher needs RANK and WORLD_SIZE in the "
+                "environment (torchrun sets them)"
+            ) from None
         local = int(os.environ.get("LOCAL_RANK", rank))
         return RankEnv(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
@@ -74,9 +85,7 @@ def _config_hash(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(cfg.fingerprint(), sort_keys=True).encode()).hexdigest()
 
 
-def _check_same_config(
-    cfg: TrainConfig, world_size: int, group: dist.ProcessGroup | None
-) -> None:
+def _check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGroup | None) -> None:
     """Every rank must run the same numbers: compare hashes, then name what differs."""
     hashes: list[Any] = [None] * world_size
     dist.all_gather_object(hashes, _config_hash(cfg), group=group)
@@ -86,11 +95,31 @@ def _check_same_config(
     reference: list[Any] = [cfg.fingerprint()]
     dist.broadcast_object_list(reference, src=0, group=group)
     fields = sorted(k for k, v in cfg.fingerprint().items() if reference[0].get(k) != v)
-    mine = ", ".join(f"{k}={getattr(cfg, k)!r} (rank 0: {reference[0].get(k)!r})"
-                     for k in fields)
-    raise ValueError(f"ranks {differ} run a different configuration than rank 0 (config hash "
-                     f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "
-                     "same flags")
+    mine = ", ".join(f"{k}={getattr(cfg, k)!r} (rank 0: {reference[0].get(k)!r})" for k in fields)
+    raise ValueError(
+        f"ranks {differ} run a different configuration than rank 0 (config hash "
+        f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "
+        "same flags"
+    )
+
+
+def release_others(stages: list[torch.nn.Module], rank: int) -> None:
+    """Free the weights of the stages other ranks run, keeping every tensor this rank's stage
+    shares with them (a Hugging Face model's stages share its rotary tables, for one)."""
+    own = stages[rank]
+    kept = {id(t) for t in [*own.parameters(), *own.buffers()]}
+    for s, stage in enumerate(stages):
+        if s == rank:
+            continue
+        for module in stage.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in kept:
+                    module._parameters[name] = torch.nn.Parameter(
+                        p.to("meta"), requires_grad=p.requires_grad
+                    )
+            for name, b in module._buffers.items():
+                if b is not None and id(b) not in kept:
+                    module._buffers[name] = b.to("meta")
 
 
 class RankRun:
@@ -115,14 +144,12 @@ class RankRun:
         if self.rank == 0:
             self._barrier()
         self.plan = make_plan(cfg, self.data.vocab_size)
-        # What every rank will post is checked first to complete under NCCL's rules.
-        check_communication(self.plan.schedule, cfg.global_clip, self.plan.drain_points)
-        stages: list[torch.nn.Module] = list(make_stages(self.plan))
+        stages = make_model(self.plan).stages
         stages[self.rank] = stages[self.rank].to(self.device)
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
-        for s, stage in enumerate(stages):  # the other stages' weights are not needed here
-            if s != self.rank:
-                stage.to("meta")
+        # What every rank will post is checked to complete under NCCL's rules before any step.
+        check_communication(self.plan.schedule, self.pipe.meets, self.plan.drain_points)
+        release_others(stages, self.rank)
         self.worker = self.pipe.workers[0]
         if manifest is not None:
             part = load_part(self.run_dir, manifest, self.rank, self.device)
@@ -130,8 +157,6 @@ class RankRun:
             self.worker = self.pipe.workers[0]
             wrong = misplaced(self.worker.state_dict(), self.device)
             assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
-        assert self.plan.model_cfg is not None, "config refuses --runtime dist for hf: models"
-        self.hidden_shape = (cfg.micro_batch_size, cfg.seq_len, self.plan.model_cfg.dim)
         # spans from CUDA events on a GPU (the host clock would time the kernel launches), else
         # the wall clock, comparable across the processes of one machine
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
@@ -174,9 +199,14 @@ class RankRun:
 
         writer = self._open_run_dir()
         show = self.rank == self.last and self.cfg.progress
-        self.bar = bar = tqdm(total=self.cfg.steps, initial=self.start_step,
-                              desc=f"{self.cfg.schedule} (dist, {self.env.world_size} ranks)",
-                              unit="step", disable=not show, leave=False)
+        self.bar = bar = tqdm(
+            total=self.cfg.steps,
+            initial=self.start_step,
+            desc=f"{self.cfg.schedule} (dist, {self.env.world_size} ranks)",
+            unit="step",
+            disable=not show,
+            leave=False,
+        )
         start_time: list[Any] = [time.time()]
         dist.broadcast_object_list(start_time, src=0, group=self.objects)
         self.t0 = float(start_time[0]) - self._resumed_elapsed()
@@ -218,47 +248,18 @@ class RankRun:
         dist.barrier(group=self.objects)
 
     # ----- drain points --------------------------------------------------------------------------
-    @torch.no_grad()
-    def _evaluate(self) -> float | None:
-        """Validation through the pipeline: forwards only, stage to stage."""
-        module, P = self.worker.module, self.env.world_size
-        module.eval()
-        batches = self.data.val_batches(self.cfg.micro_batch_size, self.cfg.eval_batches)
-        shape = self.hidden_shape
-        losses = []
-        for i, (x, y) in enumerate(batches):
-            tag = EVAL_TAG_BASE + i
-            h = x.to(self.device)
-            if self.rank > 0:
-                h = torch.empty(shape, dtype=torch.float32, device=self.device)
-                self._eval_transfer(dist.irecv(h, self.rank - 1, tag=tag), f"receive {i}")
-            with self.worker.autocast():  # as the emulator's evaluation
-                out = module(h, y.to(self.device)) if self.rank == self.last else module(h)
-            if self.rank < P - 1:
-                sent = dist.isend(out.float().contiguous(), self.rank + 1, tag=tag)
-                self._eval_transfer(sent, f"send {i}")
-            else:
-                losses.append(out.detach().float())
-        module.train()
-        if not losses:
-            return None
-        values = torch.stack(losses).cpu().tolist()  # one host sync; the mean as the emulator's
-        return sum(values) / len(values)
-
-    def _eval_transfer(self, work: Any, what: str) -> None:
-        """Wait for one validation transfer, bounded as training's are (NCCL included)."""
-        Handle([work], self.device.type == "cuda").wait(self.cfg.dist_timeout,
-                                                        f"the validation {what}")
-
     def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
         P = self.env.world_size
         neighbours = [r for r in (self.rank - 1, self.rank + 1) if 0 <= r < P]
         self.meeting = f"pipelined validation after step {step}", neighbours
-        val_loss = self._evaluate()
-        segment = self.interpreter.spans[self.segment_start:]
+        val_loss = validation_loss(self.pipe, self.cfg, self.data)
+        segment = self.interpreter.spans[self.segment_start :]
         self.segment_start = len(self.interpreter.spans)
-        mine = {"grad_norms": self.grad_norms, "times": self.step_times,
-                "spans": [(str(a), s, e) for a, s, e in segment]}
+        mine = {
+            "grad_norms": self.grad_norms,
+            "times": self.step_times,
+            "spans": [(str(a), s, e) for a, s, e in segment],
+        }
         gathered: list[Any] = [None] * self.env.world_size
         others = [r for r in range(P) if r != self.rank]
         self.meeting = f"gathering the metrics of step {step}", others
@@ -272,27 +273,40 @@ class RankRun:
             save_part(staging_dir(self.run_dir, step), self.rank, self.worker.state_dict())
             self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
-                finalize(self.run_dir, step, self.cfg.stages, self.cfg.fingerprint(),
-                         {"elapsed_s": self.records[-1]["elapsed_s"]})
+                finalize(
+                    self.run_dir,
+                    step,
+                    self.cfg.stages,
+                    self.cfg.fingerprint(),
+                    {"elapsed_s": self.records[-1]["elapsed_s"]},
+                )
             self._barrier()
             self.last_checkpoint = step
         self.meeting = None
 
-    def _write_records(self, step: int, gathered: list[dict[str, Any]], val_loss: float | None,
-                       writer: MetricsWriter | None) -> None:
+    def _write_records(
+        self,
+        step: int,
+        gathered: list[dict[str, Any]],
+        val_loss: float | None,
+        writer: MetricsWriter | None,
+    ) -> None:
         m = self.plan.schedule.num_microbatches
         done = sorted(gathered[self.last]["times"])
         for j in done:
             losses = [self.losses.pop(i) for i in range((j - 1) * m, j * m)]
-            record = {"step": j, "loss": sum(losses) / len(losses),
-                      "lr": self.worker.lr_of(j), "tokens": j * self.cfg.tokens_per_step,
-                      "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
-                      "grad_norm": [g["grad_norms"][j] for g in gathered]}
+            record = {
+                "step": j,
+                "loss": sum(losses) / len(losses),
+                "lr": self.worker.lr_of(j),
+                "tokens": j * self.cfg.tokens_per_step,
+                "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
+                "grad_norm": [g["grad_norms"][j] for g in gathered],
+            }
             if j == step:  # the drain point: validation and the segment's measured timeline
                 record["val_loss"] = val_loss
                 util = measured_utilization([_lane(g["spans"]) for g in gathered])
-                record.update(utilization=util["utilization"],
-                              bubble_share=util["bubble_share"])
+                record.update(utilization=util["utilization"], bubble_share=util["bubble_share"])
             self.records.append(record)
             if writer is not None:
                 writer.write(record)
@@ -304,12 +318,17 @@ class RankRun:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.cfg.resume:
-            payload = {"config": self.cfg.to_json(), "provenance": provenance(),
-                       "resolved": {"world_size": self.env.world_size,
-                                    "backend": dist.get_backend(),
-                                    "device": str(self.device),
-                                    "tokens_per_step": self.cfg.tokens_per_step,
-                                    "drain_points": self.plan.drain_points}}
+            payload = {
+                "config": self.cfg.to_json(),
+                "provenance": provenance(),
+                "resolved": {
+                    "world_size": self.env.world_size,
+                    "backend": dist.get_backend(),
+                    "device": str(self.device),
+                    "tokens_per_step": self.cfg.tokens_per_step,
+                    "drain_points": self.plan.drain_points,
+                },
+            }
             (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
         else:
             truncate_metrics(self.run_dir, self.start_step)
@@ -324,11 +343,16 @@ class RankRun:
 
     def _finish(self) -> RunResult | None:
         w = self.worker
-        mine = {"spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
-                "comm": [(k, str(a), s, e) for k, a, s, e in self.interpreter.comm],
-                "peaks": (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live),
-                "state": ({k: v.cpu() for k, v in w.module.state_dict().items()}
-                          if self.cfg.sample_tokens else {})}
+        mine = {
+            "spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
+            "comm": [(k, str(a), s, e) for k, a, s, e in self.interpreter.comm],
+            "peaks": (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live),
+            "state": (
+                {k: v.cpu() for k, v in w.module.state_dict().items()}
+                if self.cfg.sample_tokens
+                else {}
+            ),
+        }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)
         if self.rank != self.last:
@@ -342,8 +366,9 @@ def _lane(spans: list[tuple[str, float, float]]) -> list[tuple[Action, float, fl
 
 def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
     """The last rank writes the timeline, ledger, sample and summary of the whole run."""
-    lanes = [[(Action.parse(a), s - run.t0, e - run.t0) for a, s, e in g["spans"]]
-             for g in gathered]
+    lanes = [
+        [(Action.parse(a), s - run.t0, e - run.t0) for a, s, e in g["spans"]] for g in gathered
+    ]
     comm = []
     for g in gathered:
         lane = []
@@ -356,14 +381,22 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
     events = trace_events(lanes, time_scale_us=1e6, process_name="compute")
     events += trace_events(comm, time_scale_us=1e6, process_name="communication", pid=1)
     save_trace(run.run_dir / "trace.json", events)
-    title = (f"{run.cfg.schedule}  measured, {run.env.world_size} processes  "
-             f"bubble {util['bubble_share']:.1%}")
+    title = (
+        f"{run.cfg.schedule}  measured, {run.env.world_size} processes  "
+        f"bubble {util['bubble_share']:.1%}"
+    )
     save_gantt(run.run_dir / "timeline.png", [(title, lanes)], time_unit="seconds")
     ledger = run.plan.ledger
-    (run.run_dir / "ledger.json").write_text(json.dumps({
-        "summary": ledger.summary(),
-        "crossed_histogram": {str(k): v for k, v in ledger.crossed_histogram().items()},
-    }, indent=1) + "\n")
+    (run.run_dir / "ledger.json").write_text(
+        json.dumps(
+            {
+                "summary": ledger.summary(),
+                "crossed_histogram": {str(k): v for k, v in ledger.crossed_histogram().items()},
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     text = None
     if run.cfg.sample_tokens:
         state: dict[str, torch.Tensor] = {}
@@ -379,28 +412,36 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
     return RunResult(run.run_dir, run.records, summary)
 
 
-def resolve_device(cfg: TrainConfig, local_rank: int, local_world_size: int
-                   ) -> tuple[torch.device, str]:
+def resolve_device(
+    cfg: TrainConfig, local_rank: int, local_world_size: int
+) -> tuple[torch.device, str]:
     """This rank's device and the process group's backend, or a ValueError naming the fix."""
     cuda = torch.cuda.is_available()
     kind = cfg.device if cfg.device != "auto" else ("cuda" if cuda else "cpu")
     if kind == "cuda" and not cuda:
-        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no GPU: install a "
-                         "CUDA build of torch on a machine with GPUs, or use --device cpu")
+        raise ValueError(
+            f"--device cuda, but torch {torch.__version__} sees no GPU: install a "
+            "CUDA build of torch on a machine with GPUs, or use --device cpu"
+        )
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
     if backend == "nccl" and kind != "cuda":
-        raise ValueError("--backend nccl moves GPU tensors only: use --device cuda, or "
-                         "--backend gloo on CPUs")
+        raise ValueError(
+            "--backend nccl moves GPU tensors only: use --device cuda, or --backend gloo on CPUs"
+        )
     if backend == "gloo" and kind == "cuda":
-        raise ValueError("--backend gloo with --device cuda is not supported (gloo sends CPU "
-                         "tensors): use --backend nccl, or --device cpu")
+        raise ValueError(
+            "--backend gloo with --device cuda is not supported (gloo sends CPU "
+            "tensors): use --backend nccl, or --device cpu"
+        )
     if kind == "cpu":
         return torch.device("cpu"), backend
     count = torch.cuda.device_count()
     if local_world_size > count:
-        raise ValueError(f"{local_world_size} ranks on this machine need {local_world_size} "
-                         f"GPUs, but {count} are visible: use --stages {count} (or fewer), "
-                         "more machines, or --device cpu")
+        raise ValueError(
+            f"{local_world_size} ranks on this machine need {local_world_size} "
+            f"GPUs, but {count} are visible: use --stages {count} (or fewer), "
+            "more machines, or --device cpu"
+        )
     return torch.device("cuda", local_rank), backend
 
 
@@ -408,9 +449,11 @@ def run_rank(cfg: TrainConfig) -> RunResult | None:
     """Entry point of one process (torchrun or ``nobubble train --runtime dist``)."""
     env = RankEnv.from_environ()
     if env.world_size != cfg.stages:
-        raise ValueError(f"world size {env.world_size} does not match --stages {cfg.stages}: "
-                         f"launch {cfg.stages} processes (torchrun --nproc-per-node "
-                         f"{cfg.stages}) or set --stages {env.world_size}")
+        raise ValueError(
+            f"world size {env.world_size} does not match --stages {cfg.stages}: "
+            f"launch {cfg.stages} processes (torchrun --nproc-per-node "
+            f"{cfg.stages}) or set --stages {env.world_size}"
+        )
     device, backend = resolve_device(cfg, env.local_rank, env.local_world_size)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
@@ -456,10 +499,17 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         step = read_manifest(Path(str(run_dir)))["step"] if run_dir else None
     except ValueError:
         step = None
-    resume = (f"resume from the checkpoint of step {step}: nobubble train --resume {run_dir}"
-              if step else "no checkpoint was written yet: start the run again")
+    resume = (
+        f"resume from the checkpoint of step {step}: nobubble train --resume {run_dir}"
+        if step
+        else "no checkpoint was written yet: start the run again"
+    )
     log.debug("rank %d failed", env.rank, exc_info=err)  # the traceback, with -v
-    print(f"nobubble: rank {env.rank} (stage {env.rank}) failed {where}: "
-          f"{type(err).__name__}: {err}; {resume}", file=sys.stderr, flush=True)
+    print(
+        f"nobubble: rank {env.rank} (stage {env.rank}) failed {where}: "
+        f"{type(err).__name__}: {err}; {resume}",
+        file=sys.stderr,
+        flush=True,
+    )
     # Peers may be dead or blocked: no collective clean-up, leave now with a failure status.
     os._exit(1)

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from nobubble.core.comm import check_communication
-from nobubble.dist.launch import _watch, free_port, rank_env
-from nobubble.dist.transport import DistTransport, shutdown
-from nobubble.exec import Interpreter
 from nobubble.core.ir import Schedule
 from nobubble.core.schedules import build_schedule
 from nobubble.core.validate import validate
+from nobubble.dist.launch import _watch, free_port, rank_env
+from nobubble.dist.transport import DistTransport, shutdown
+from nobubble.exec import Interpreter
 
 TOKEN = (1,)  # the payload each transfer carries: one float
 

@@ -39,10 +39,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from nobubble.assemble import load_data, make_plan, make_stages
 from nobubble.config import TrainConfig
+from nobubble.core.errors import NobubbleError
 from nobubble.data import TokenData
 from nobubble.dist.launch import _watch, free_port, rank_env
 from nobubble.dist.transport import shutdown
-from nobubble.core.errors import NobubbleError
 from nobubble.model import StageModule
 from nobubble.model.gpt import lm_loss, run_layers
 from nobubble.optim import (

@@ -47,6 +47,29 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 Tie = tuple[int, str, int, str]
 
 
+def tied_square(total: torch.Tensor) -> torch.Tensor:
+    """The squared norm of a tied pair's summed gradient (float64), counted once globally."""
+    return total.double().pow(2).sum()
+
+
+@dataclass
+class TieMeeting:
+    """What a stage needs from the others before a step with tied parameters: every stage's
+    squared gradient norm without its tied parameters, both gradients of each pair it holds a
+    copy of (keyed by (stage, name)), and the squared norm of each other pair's sum (by index
+    in ``ties``), which one of that pair's ranks computed."""
+
+    squares: list[torch.Tensor]
+    grads: dict[tuple[int, str], torch.Tensor]
+    pair_squares: dict[int, torch.Tensor]
+
+    @staticmethod
+    def pool(shares: list[Any]) -> TieMeeting:
+        """Every stage's ``share()``, all in one process (the emulator): all the gradients."""
+        grads = {(s, name): g for s, share in enumerate(shares) for name, g in share[1].items()}
+        return TieMeeting([share[0] for share in shares], grads, {})
+
+
 def expect_device(tensor: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
     """``tensor``, after checking it lives on the stage's device (a cheap comparison that turns
     a forgotten ``.to(device)`` into an error naming the tensor, on any machine)."""
@@ -298,6 +321,19 @@ class StageWorker:
         self.out_spec = self._check_boundary(out, "output", m, self.out_spec)
         return detached(out, requires_grad=False)
 
+    @torch.no_grad()
+    def infer(self, inputs: Tree, targets: Tree = None) -> Tree:
+        """A forward on the master weights for evaluation, outside the schedule: the stage's
+        output, or on the last stage the loss of ``targets`` (nothing saved, no version read)."""
+        inputs = self._to_device(inputs)
+        args, kwargs = call_args(inputs)
+        with self.autocast():
+            out = self.module(*args, **kwargs)
+            if not self.is_last:
+                return out
+            assert self.loss_fn is not None
+            return self.loss_fn(out, self._to_device(targets))
+
     def _track_memory(self) -> None:
         self.peak_saved = max(self.peak_saved, len(self.saved))
         held = sum(s.activation_bytes for s in self.saved.values())
@@ -365,19 +401,26 @@ class StageWorker:
         grads = {n: p.grad for n, p in self.named if n in tied}
         return grad_sq_norm(p for n, p in self.named if n not in tied), grads
 
-    def _add_tied(self, shares: list[Any]) -> torch.Tensor:
+    def _add_tied(self, shares: list[Any] | TieMeeting) -> torch.Tensor:
         """Give each tied parameter of this stage the sum of both copies' gradients (lower
         stage first, on every stage alike); return the global squared norm, each tied pair
-        counted once. Both copies then take the same step, so they stay bitwise equal."""
+        counted once. Both copies then take the same step, so they stay bitwise equal.
+
+        ``shares``: every stage's ``share()`` in stage order (the emulator), or the meeting a
+        rank of the runtime pooled (its pairs' gradients, the other pairs' squares)."""
+        meeting = shares if isinstance(shares, TieMeeting) else TieMeeting.pool(shares)
         params = dict(self.named)
         pairs = []
-        for a, name_a, b, name_b in self.ties:
-            total = shares[a][1][name_a] + shares[b][1][name_b]
-            pairs.append(total.double().pow(2).sum())
+        for k, (a, name_a, b, name_b) in enumerate(self.ties):
+            if k in meeting.pair_squares:  # a pair of two other ranks: its square came along
+                pairs.append(meeting.pair_squares[k])
+                continue
+            total = meeting.grads[a, name_a] + meeting.grads[b, name_b]
+            pairs.append(tied_square(total))
             for stage, name in ((a, name_a), (b, name_b)):
                 if stage == self.stage:
                     params[name].grad = total.clone()
-        squares = sum_over_stages([share[0] for share in shares])
+        squares = sum_over_stages(meeting.squares)
         for square in pairs:
             squares = squares + square.to(squares.device)
         return squares
@@ -426,7 +469,7 @@ class StageWorker:
         """
         assert self.batch_complete, f"stage {self.stage}: step {step} before its batch finished"
         if self.ties:
-            assert isinstance(total_sq_norm, list), "tied parameters need every stage's share"
+            assert isinstance(total_sq_norm, list | TieMeeting), "tied parameters need the meeting"
             total_sq_norm = self._add_tied(total_sq_norm)
         params: list[torch.Tensor] = [p for _, p in self.named]
         if not grads_finite(params):
