@@ -105,20 +105,39 @@ def exchange_ops(
 def rank_batches(
     schedule: Schedule, rank: int, global_clip: bool = False, drain_points: Collection[int] = ()
 ) -> list[Batch]:
-    """What rank ``rank`` posts, in order. With ``global_clip`` every STEP gathers the stages'
-    squared gradient norms (a collective) after its exchange; after the STEP of each step in
-    ``drain_points`` the ranks meet (modelled as a collective: nothing may be pending there)."""
-    order = schedule.ranks[rank]
+    """What rank ``rank`` posts, in order. With ``global_clip`` the rank's first STEP of each
+    step gathers the squared gradient norms of all stages (a collective, one per rank and step)
+    after its exchange; after the rank's last STEP of each step in ``drain_points`` the ranks meet
+    (modelled as a collective: nothing may be pending there).
+
+    Known limit: this per-action pairing lowers ``interleaved-1f1b`` only while M < 2P (or P = 1)
+    and ``zbv`` only at M = 1 or P = 1: in their steady phases a rank sends to a neighbour
+    in an order the neighbour does not consume them in (ZB-V's F and I cross), and with tags
+    ignored the receives would have to follow the sender's order. ``check_communication`` then
+    names the cycle or the crossing messages instead of hanging.
+    """
+    order, where = schedule.ranks[rank], schedule.placement
     P, batches = schedule.num_stages, []
+    first_step: dict[int, int] = {}  # step -> position of the rank's first STEP of it
+    last_step: dict[int, int] = {}
+    for pos, a in enumerate(order):
+        if a.kind == STEP:
+            first_step.setdefault(a.number, pos)
+            last_step[a.number] = pos
     for i in range(len(order) + 1):
         previous = order[i - 1] if i else None
         action = order[i] if i < len(order) else None
-        if previous is not None and previous.kind == STEP and previous.number in drain_points:
+        if (
+            previous is not None
+            and previous.kind == STEP
+            and previous.number in drain_points
+            and last_step[previous.number] == i - 1
+        ):
             batches.append(Batch(i, (CommOp(DRAIN, -1, previous),)))
-        ops = exchange_ops(previous, action, P, schedule.placement)
+        ops = exchange_ops(previous, action, P, where)
         if ops:
             batches.append(Batch(i, ops))
-        if global_clip and action is not None and action.kind == STEP:
+        if global_clip and action is not None and first_step.get(action.number) == i:
             batches.append(Batch(i, (CommOp(GATHER, -1, action),)))
     return batches
 
@@ -319,7 +338,7 @@ def _describe(
         rank = edges[rank][1]
     cycle = seen[seen.index(rank) :] if rank in seen else seen
     lines = [
-        f"{schedule.name} (P={schedule.num_stages}, M={schedule.num_microbatches}) deadlocks "
+        f"{schedule.name} (P={schedule.num_ranks}, M={schedule.num_microbatches}) deadlocks "
         "under NCCL's rules (one stream per rank, operations in posting order, tags ignored):"
     ]
     for r in cycle:

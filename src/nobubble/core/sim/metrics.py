@@ -5,7 +5,8 @@
 - steady window = from the start of rank 0's first backward (B or I) to the end of rank 0's last
   forward (the pipeline is full in between); steady utilization and throughput are measured
   inside it;
-- throughput = micro-batches completed (stage 0's B, or W when backwards are split) per time unit.
+- throughput = micro-batches completed on rank 0 (B, or W when backwards are split; each of a
+  rank's v stages counts 1/v) per time unit.
 
 Utilization is per rank; the ledger's peaks (in flight, versions, crossed) are per stage, and
 ``rank_peak_inflight`` sums a rank's stages (the same numbers when a rank holds one stage).
@@ -103,12 +104,10 @@ def compute_metrics(
     utilization = [b / makespan if makespan > 0 else 0.0 for b in busy]
     width = hi - lo
     steady_util = [b / width if width > 0 else 0.0 for b in steady_busy]
-    done = schedule.gradient_kind
+    done = schedule.gradient_kind  # a stage of a rank holding v stages finishes 1/v of one
     completed = sum(
-        1
-        for i, a in enumerate(schedule.ranks[0])
-        if a.kind == done and a.stage == 0 and lo < ends[0][i] <= hi
-    )
+        1 for i, a in enumerate(schedule.ranks[0]) if a.kind == done and lo < ends[0][i] <= hi
+    ) / len(schedule.placement.stages_of(0))
     summary = ledger.summary()
     return Metrics(
         makespan=makespan,
