@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.core.ir import STEP, B, F, I, Schedule, W
+from nobubble.core.ir import STEP, B, F, I, Schedule
 from nobubble.core.ledger import build_ledger, stage_order
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
 from nobubble.core.schedules.bounds import peak_inflight

@@ -253,7 +253,7 @@ class Schedule:
         return Schedule.from_json(obj)
 
 
-def _placement(kind: Any, num_ranks: Any, num_stages: Any) -> dict[str, Placement]:
+def _placement(kind: Any, num_ranks: Any, num_stages: Any) -> dict[str, Any]:
     """The ``placement`` argument a text or JSON form names (none: one stage per rank), or a
     ScheduleError when it does not fit."""
     if kind is None or kind == "one":
