@@ -64,8 +64,10 @@ def test_simulate_all_json_has_the_documented_keys(capsys, tmp_path):
     assert result["1f1b"]["bubble_share"] == pytest.approx(3 / 11)
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
-    assert {e["cat"] for e in spans} == {"F", "B", "STEP"}
-    assert {e["pid"] for e in spans} == set(range(5))
+    assert {e["cat"] for e in spans} == {"F", "B", "I", "W", "STEP"}
+    assert {e["pid"] for e in spans} == set(range(len(SCHEDULE_NAMES)))
+    lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"stage 0", "rank 0: stages 0,4", "rank 0: stages 0,7"} <= lanes
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,4 +1,4 @@
-"""Property tests of the five generators against the closed forms of design.md section 2.
+"""Property tests of the generators against the closed forms of design.md section 2.
 
 The checks here recompute every quantity from the raw per-rank orders (counting, walking), not
 through the ledger, except where the ledger itself is under test; closed forms are the oracle.
@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nobubble.core.ir import STEP, B, F, Schedule
-from nobubble.core.ledger import build_ledger
-from nobubble.core.schedules import SCHEDULE_NAMES, build_schedule
+from nobubble.core.ir import STEP, B, F, I, Schedule
+from nobubble.core.ledger import build_ledger, stage_order
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
+from nobubble.core.schedules.bounds import peak_inflight
 from nobubble.core.validate import validate
 
 grid = settings(max_examples=60, deadline=None)
@@ -22,27 +23,32 @@ stages = st.integers(1, 16)
 micro = st.integers(1, 32)
 accum = st.integers(1, 12)
 steps = st.integers(1, 5)
+SYNC = [name for name, info in SCHEDULES.items() if info.synchronous]
 
 
 def make(name: str, p: int, m: int, n: int, a: int | None = None) -> Schedule:
     if name == "2bw":
         m = max(m, p - 1)
+    if name == "interleaved-1f1b" and m >= p:
+        m -= m % p  # rounds of P micro-batches
     schedule = build_schedule(name, p, m, n, accum=a)
     validate(schedule)
     return schedule
 
 
 def walk(schedule: Schedule, stage: int) -> dict[str, dict[int, int]]:
-    """Positions of every F and B and the step count at each, straight from the order."""
-    out: dict[str, dict[int, int]] = {"F": {}, "B": {}, "Fv": {}, "Bv": {}}
+    """Positions of every F, B (or I) and W and the step count at each, straight from the order
+    of the stage's rank."""
+    out: dict[str, dict[int, int]] = {"F": {}, "B": {}, "W": {}, "Fv": {}, "Bv": {}, "Wv": {}}
     version = 0
-    for pos, action in enumerate(schedule.ranks[stage]):
+    for pos, action in enumerate(stage_order(schedule, stage)):
         if action.kind == STEP:
             version += 1
         else:
-            assert action.number not in out[action.kind], f"duplicate {action}"
-            out[action.kind][action.number] = pos
-            out[action.kind + "v"][action.number] = version
+            kind = B if action.kind == I else action.kind
+            assert action.number not in out[kind], f"duplicate {action}"
+            out[kind][action.number] = pos
+            out[kind + "v"][action.number] = version
     return out
 
 
@@ -51,27 +57,34 @@ def walk(schedule: Schedule, stage: int) -> dict[str, dict[int, int]]:
 def test_every_microbatch_has_one_forward_and_one_backward_per_stage(name, p, m, n, a):
     schedule = make(name, p, m, n, a if name in ("pipedream", "paci") else None)
     total = schedule.total_microbatches
-    for s in range(p):
+    for s in range(schedule.num_stages):
         seen = walk(schedule, s)
         assert sorted(seen["F"]) == list(range(total))
         assert sorted(seen["B"]) == list(range(total))
         assert all(seen["F"][mb] < seen["B"][mb] for mb in range(total))
-        steps_ = [x.number for x in schedule.ranks[s] if x.kind == STEP]
+        if schedule.split_backward:  # one W per micro-batch, after its I
+            assert all(seen["B"][mb] < seen["W"][mb] for mb in range(total))
+        steps_ = [x.number for x in stage_order(schedule, s) if x.kind == STEP]
         assert steps_ == list(range(1, n + 1))
 
 
 @grid
-@given(name=st.sampled_from(["gpipe", "1f1b"]), p=stages, m=micro, n=steps)
+@given(name=st.sampled_from(SYNC), p=stages, m=micro, n=steps)
 def test_sync_schedules_run_batch_j_at_version_j(name, p, m, n):
     schedule = make(name, p, m, n)
+    m = schedule.num_microbatches
     ledger = build_ledger(schedule)
-    for s in range(p):
+    for s in range(schedule.num_stages):
         seen = walk(schedule, s)
         for mb in range(schedule.total_microbatches):
             assert seen["Fv"][mb] == seen["Bv"][mb] == mb // m
             assert ledger.stages[s].fwd_version[mb] == ledger.stages[s].bwd_version[mb] == mb // m
             assert ledger.stages[s].applied_step[mb] == mb // m + 1
-        expected_inflight = m if name == "gpipe" else min(p - s, m)
+            if schedule.split_backward:
+                assert seen["Wv"][mb] == mb // m
+        expected_inflight = peak_inflight(name, p, m, n, s)
+        if name in ("gpipe", "1f1b"):
+            assert expected_inflight == (m if name == "gpipe" else min(p - s, m))
         assert ledger.stages[s].peak_inflight == expected_inflight
         assert ledger.stages[s].peak_versions == 1
 

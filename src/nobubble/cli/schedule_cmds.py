@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from nobubble.core.ir import Schedule, format_grid
+from nobubble.core.ir import Schedule, ScheduleError, format_grid
 from nobubble.core.ledger import build_ledger
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule, schedule_info
 from nobubble.core.sim import CostModel, simulate
@@ -29,7 +29,13 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = False) -> No
     names = ", ".join(SCHEDULE_NAMES) + (", all" if allow_all else "")
     help_text = f"one of {names}" + (" (or a comma list)" if allow_all else "")
     p.add_argument("--schedule", default="all" if allow_all else "1f1b", help=help_text)
-    p.add_argument("--stages", "-P", type=positive_int, default=4, help="pipeline stages P")
+    p.add_argument(
+        "--stages",
+        "-P",
+        type=positive_int,
+        default=4,
+        help="pipeline stages P, one per rank (the ranks, for interleaved-1f1b and zbv)",
+    )
     p.add_argument(
         "--microbatches",
         "-M",
@@ -45,6 +51,14 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = False) -> No
         help="accumulation factor a of pipedream (default 1) and paci (default M)",
     )
     p.add_argument("--steps", "-N", type=positive_int, default=4, help="optimizer steps")
+    p.add_argument(
+        "--virtual-stages",
+        "-v",
+        type=positive_int,
+        default=None,
+        help="stages per rank v of interleaved-1f1b (default 2; the model is cut into v x P "
+        "stages); zbv always places 2",
+    )
     p.add_argument(
         "--drain-every",
         type=positive_int,
@@ -80,9 +94,23 @@ def schedules_from_args(args: argparse.Namespace) -> list[Schedule]:
                 f"{name}; use --microbatches for {name}"
             )
         accum = args.accum if info.uses_accum else None
+        # Like --accum, -v goes to the schedules that take it unless one schedule is named.
+        virtual = args.virtual_stages if len(names) == 1 or info.placement == "loop" else None
+        if every and info.check is not None:
+            try:
+                info.check(args.stages, args.microbatches, virtual or info.default_virtual)
+            except ScheduleError as err:
+                print(f"note: {name} skipped: {err}", file=sys.stderr)
+                continue
         out.append(
             build_schedule(
-                name, args.stages, args.microbatches, args.steps, accum, args.drain_every
+                name,
+                args.stages,
+                args.microbatches,
+                args.steps,
+                accum,
+                args.drain_every,
+                virtual_stages=virtual,
             )
         )
     return out
@@ -115,8 +143,9 @@ def cmd_schedules(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    width = max(map(len, SCHEDULES))
     for name, info in SCHEDULES.items():
-        print(f"{name:<10} {info.summary}")
+        print(f"{name:<{width}}  {info.summary}")
     return 0
 
 
@@ -186,6 +215,7 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
         latency=args.latency,
         bandwidth=args.bandwidth,
         activation_bytes=args.activation_bytes,
+        wgrad=parse_durations(args.wgrad) if args.wgrad else None,
     )
 
 
@@ -198,7 +228,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         events = []
         for pid, (schedule, res) in enumerate(results.values()):
             lanes = [res.timeline.spans(r) for r in range(schedule.num_ranks)]
-            events += trace_events(lanes, process_name=schedule.name, pid=pid)
+            names = [schedule.placement.lane_name(r) for r in range(schedule.num_ranks)]
+            events += trace_events(lanes, process_name=schedule.name, pid=pid, lane_names=names)
         save_trace(args.trace, events)
     if args.plot:
         from nobubble.core.viz import save_gantt
@@ -211,7 +242,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             )
             for s, r in results.values()
         ]
-        save_gantt(args.plot, panels, time_unit="simulated time (cost-model units)")
+        lane_names = [
+            [s.placement.lane_name(r) for r in range(s.num_ranks)] for s, _ in results.values()
+        ]
+        save_gantt(
+            args.plot,
+            panels,
+            time_unit="simulated time (cost-model units)",
+            lane_names=lane_names,
+        )
     if args.json:
         print(
             json.dumps(
@@ -270,14 +309,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         nargs="+",
         default=[1.0],
-        help="forward duration, one value or one per stage",
+        help="forward duration, one value, one per rank or one per stage",
     )
     p.add_argument(
         "--bwd",
         type=float,
         nargs="+",
         default=[2.0],
-        help="backward duration, one value or one per stage",
+        help="backward duration (B = I + W), one value, one per rank or one per stage; a rank "
+        "holding v stages spends 1/v of its value on each",
+    )
+    p.add_argument(
+        "--wgrad",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the weight-gradient part W of --bwd, for schedules that split the backward into "
+        "I = bwd - wgrad and W (default: half of --bwd)",
     )
     p.add_argument("--step-cost", type=float, default=0.0, help="optimizer step duration")
     p.add_argument("--latency", type=float, default=0.0, help="per-transfer latency")

@@ -17,8 +17,10 @@ The lowering is the Megatron pattern: before action i a rank posts one batch hol
 of action i-1's output and the receive of action i's input, so two neighbours that both send
 before they receive (the 1F1B steady state) meet in one batch instead of waiting for each other.
 No receive is posted ahead of the action that consumes it, so none stays pending across a
-collective or a drain point. ``prefetch_batches`` keeps the earlier runtime's order (each
-receive posted one action ahead, each operation alone) for the test that shows why it had to go.
+collective or a drain point. A hop between two stages of one rank (the turn of a V placement)
+is a local hand-off: no operation is posted for it; a weight-gradient action (W) sends nothing.
+``prefetch_batches`` keeps the earlier runtime's order (each receive posted one action ahead,
+each operation alone) for the test that shows why it had to go.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import NamedTuple
 
 from nobubble.core.deps import remote_dependency, sends_after
 from nobubble.core.ir import STEP, Action, Schedule, ScheduleError
-from nobubble.core.placement import rank_of
+from nobubble.core.placement import Placement, rank_of
 
 SEND, RECV, GATHER, DRAIN = "send", "recv", "gather", "drain"
 COLLECTIVES = (GATHER, DRAIN)
@@ -66,26 +68,36 @@ class Batch:
         return "{" + ", ".join(str(op) for op in self.ops) + "}"
 
 
-def incoming(action: Action, num_stages: int) -> CommOp | None:
-    """The receive an action consumes, or None (first-stage forwards, last-stage backwards)."""
+def incoming(action: Action, num_stages: int, placement: Placement | None = None) -> CommOp | None:
+    """The receive an action consumes, or None (first-stage forwards, last-stage backwards,
+    inputs from a stage on the same rank)."""
     source = remote_dependency(action, num_stages)
-    return None if source is None else CommOp(RECV, rank_of(source.stage), source)
+    if source is None:
+        return None
+    peer = rank_of(source.stage, placement)
+    return None if peer == rank_of(action.stage, placement) else CommOp(RECV, peer, source)
 
 
-def outgoing(action: Action, num_stages: int) -> CommOp | None:
-    """The send that ships an action's output, or None."""
+def outgoing(action: Action, num_stages: int, placement: Placement | None = None) -> CommOp | None:
+    """The send that ships an action's output, or None (also when the consumer is local)."""
     consumer = sends_after(action, num_stages)
-    return None if consumer is None else CommOp(SEND, rank_of(consumer.stage), action)
+    if consumer is None:
+        return None
+    peer = rank_of(consumer.stage, placement)
+    return None if peer == rank_of(action.stage, placement) else CommOp(SEND, peer, action)
 
 
 def exchange_ops(
-    previous: Action | None, action: Action | None, num_stages: int
+    previous: Action | None,
+    action: Action | None,
+    num_stages: int,
+    placement: Placement | None = None,
 ) -> tuple[CommOp, ...]:
     """The batch posted before ``action``: the previous action's send, then this one's receive."""
     ops = []
-    if previous is not None and (send := outgoing(previous, num_stages)) is not None:
+    if previous is not None and (send := outgoing(previous, num_stages, placement)) is not None:
         ops.append(send)
-    if action is not None and (recv := incoming(action, num_stages)) is not None:
+    if action is not None and (recv := incoming(action, num_stages, placement)) is not None:
         ops.append(recv)
     return tuple(ops)
 
@@ -93,20 +105,39 @@ def exchange_ops(
 def rank_batches(
     schedule: Schedule, rank: int, global_clip: bool = False, drain_points: Collection[int] = ()
 ) -> list[Batch]:
-    """What rank ``rank`` posts, in order. With ``global_clip`` every STEP gathers the stages'
-    squared gradient norms (a collective) after its exchange; after the STEP of each step in
-    ``drain_points`` the ranks meet (modelled as a collective: nothing may be pending there)."""
-    order = schedule.ranks[rank]
+    """What rank ``rank`` posts, in order. With ``global_clip`` the rank's first STEP of each
+    step gathers the squared gradient norms of all stages (a collective, one per rank and step)
+    after its exchange; after the rank's last STEP of each step in ``drain_points`` the ranks meet
+    (modelled as a collective: nothing may be pending there).
+
+    Known limit: this per-action pairing lowers ``interleaved-1f1b`` only while M < 2P (or P = 1)
+    and ``zbv`` only at M = 1 or P = 1: in their steady phases a rank sends to a neighbour
+    in an order the neighbour does not consume them in (ZB-V's F and I cross), and with tags
+    ignored the receives would have to follow the sender's order. ``check_communication`` then
+    names the cycle or the crossing messages instead of hanging.
+    """
+    order, where = schedule.ranks[rank], schedule.placement
     P, batches = schedule.num_stages, []
+    first_step: dict[int, int] = {}  # step -> position of the rank's first STEP of it
+    last_step: dict[int, int] = {}
+    for pos, a in enumerate(order):
+        if a.kind == STEP:
+            first_step.setdefault(a.number, pos)
+            last_step[a.number] = pos
     for i in range(len(order) + 1):
         previous = order[i - 1] if i else None
         action = order[i] if i < len(order) else None
-        if previous is not None and previous.kind == STEP and previous.number in drain_points:
+        if (
+            previous is not None
+            and previous.kind == STEP
+            and previous.number in drain_points
+            and last_step[previous.number] == i - 1
+        ):
             batches.append(Batch(i, (CommOp(DRAIN, -1, previous),)))
-        ops = exchange_ops(previous, action, P)
+        ops = exchange_ops(previous, action, P, where)
         if ops:
             batches.append(Batch(i, ops))
-        if global_clip and action is not None and action.kind == STEP:
+        if global_clip and action is not None and first_step.get(action.number) == i:
             batches.append(Batch(i, (CommOp(GATHER, -1, action),)))
     return batches
 
@@ -122,13 +153,13 @@ def prefetch_batches(
     for i, action in enumerate(order):
         wanted = [order[i + 1]] if i + 1 < len(order) else []
         for a in [*wanted, action]:
-            recv = incoming(a, P)
+            recv = incoming(a, P, schedule.placement)
             if recv is not None and recv.message not in posted:
                 posted.add(recv.message)
                 batches.append(Batch(i, (recv,)))
         if global_clip and action.kind == STEP:
             batches.append(Batch(i, (CommOp(GATHER, -1, action),)))
-        send = outgoing(action, P)
+        send = outgoing(action, P, schedule.placement)
         if send is not None:
             batches.append(Batch(i + 1, (send,)))
         if action.kind == STEP and action.number in drain_points:
@@ -307,7 +338,7 @@ def _describe(
         rank = edges[rank][1]
     cycle = seen[seen.index(rank) :] if rank in seen else seen
     lines = [
-        f"{schedule.name} (P={schedule.num_stages}, M={schedule.num_microbatches}) deadlocks "
+        f"{schedule.name} (P={schedule.num_ranks}, M={schedule.num_microbatches}) deadlocks "
         "under NCCL's rules (one stream per rank, operations in posting order, tags ignored):"
     ]
     for r in cycle:

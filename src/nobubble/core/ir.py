@@ -6,6 +6,12 @@ numerics completely; time is added later by the simulator or by the real runtime
 
 Text form of one action: ``<stage><KIND><index>``, e.g. ``1F3`` (forward of micro-batch 3 on stage
 1), ``0B2`` (backward), ``2STEP1`` (stage 2's first optimizer step, which creates version 1).
+
+The backward is either fused (``B``) or split, as zero-bubble schedules need, into ``I`` (the
+gradient with respect to the stage input, which the previous stage waits for) and ``W`` (the
+gradient with respect to the stage weights, which only the stage's own step waits for): ``0I2``,
+``0W2``. A schedule fuses every backward or splits every one. A stage runs on the rank its
+``placement`` names (one stage per rank unless the schedule says otherwise).
 """
 
 from __future__ import annotations
@@ -14,23 +20,28 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from nobubble.core.placement import Placement, one_per_rank
 
 # Action kinds. Plain strings keep actions cheap to build and hash (a P=64, M=256, 100-step
 # schedule holds ~3.3M actions); SEND/RECV are reserved for explicitly lowered schedules.
 F = "F"
 B = "B"
 STEP = "STEP"
+I = "I"  # the zero-bubble papers' name for the input-gradient half of B
+W = "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-KINDS = (F, B, STEP, SEND_F, RECV_F, SEND_B, RECV_B)
-COMPUTE_KINDS = (F, B, STEP)
+KINDS = (F, B, STEP, SEND_F, RECV_F, SEND_B, RECV_B, I, W)
+COMPUTE_KINDS = (F, B, STEP, I, W)
 
 # Which weight version a forward reads, and which a backward reads (design.md section 2).
 FORWARD_RULES = ("current", "previous_batch")
 BACKWARD_RULES = ("current", "stashed")
 
-_ACTION_RE = re.compile(r"^(\d+)(STEP|SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)(STEP|SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
 class ScheduleError(ValueError):
@@ -63,7 +74,8 @@ class Schedule:
     """Per-rank action orders plus the weight rules that give them their numerics.
 
     ``num_microbatches`` is M, the micro-batches one optimizer step applies (for ``pipedream`` and
-    ``paci`` it is the accumulation factor ``a``). Stage ``s`` runs on rank ``s`` in this version.
+    ``paci`` it is the accumulation factor ``a``). ``placement`` says which rank runs each stage
+    (default: stage s on rank s); ``ranks`` holds one order per rank, each naming its stages.
     """
 
     name: str
@@ -76,6 +88,8 @@ class Schedule:
     drain_every: int | None = None
     sync_warmup: int = 0  # the first steps run synchronously (flush), as 1f1b
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # None means one stage per rank; __post_init__ replaces it, so readers always see a Placement.
+    placement: Placement = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.forward_rule not in FORWARD_RULES:
@@ -93,15 +107,33 @@ class Schedule:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}")
-        if len(self.ranks) != self.num_stages:
+        if self.placement is None:
+            object.__setattr__(self, "placement", one_per_rank(self.num_stages))
+        if self.placement.num_stages != self.num_stages:
+            raise ScheduleError(
+                f"schedule {self.name!r} has {self.num_stages} stages but its placement holds "
+                f"{self.placement.describe()}"
+            )
+        if len(self.ranks) != self.placement.num_ranks:
             raise ScheduleError(
                 f"schedule {self.name!r} has {len(self.ranks)} rank orders for "
-                f"{self.num_stages} stages; one rank per stage is required"
+                f"{self.placement.describe()}; give one order per rank"
             )
 
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
+
+    @cached_property
+    def split_backward(self) -> bool:
+        """Whether backwards are split into I and W (rank 0 decides; the validator checks the
+        rest never mixes B with I and W)."""
+        return any(kind in (I, W) for _, kind, _ in self.ranks[0]) if self.ranks else False
+
+    @property
+    def gradient_kind(self) -> str:
+        """The action that completes a micro-batch's weight gradient on a stage: B, or W."""
+        return W if self.split_backward else B
 
     @property
     def total_microbatches(self) -> int:
@@ -116,11 +148,13 @@ class Schedule:
     # ----- text form -------------------------------------------------------------------------
     def header(self) -> str:
         drain = "none" if self.drain_every is None else str(self.drain_every)
+        where = self.placement
+        placed = "" if where.kind == "one" else f" placement={where.kind} ranks={where.num_ranks}"
         return (
             f"# nobubble schedule name={self.name} stages={self.num_stages} "
             f"microbatches={self.num_microbatches} steps={self.num_steps} "
             f"forward={self.forward_rule} backward={self.backward_rule} drain_every={drain} "
-            f"sync_warmup={self.sync_warmup}"
+            f"sync_warmup={self.sync_warmup}{placed}"
         )
 
     def to_text(self) -> str:
@@ -154,6 +188,7 @@ class Schedule:
                 drain_every=None
                 if fields.get("drain_every", "none") == "none"
                 else int(fields["drain_every"]),
+                **_placement(fields.get("placement"), fields.get("ranks"), fields["stages"]),
             )
         except KeyError as err:
             raise ScheduleError(f"schedule header lacks the field {err.args[0]!r}") from None
@@ -169,6 +204,11 @@ class Schedule:
             "backward_rule": self.backward_rule,
             "drain_every": self.drain_every,
             "sync_warmup": self.sync_warmup,
+            **(
+                {}
+                if self.placement.kind == "one"
+                else {"placement": self.placement.kind, "num_ranks": self.placement.num_ranks}
+            ),
             "ranks": [[str(a) for a in order] for order in self.ranks],
         }
 
@@ -195,6 +235,7 @@ class Schedule:
             drain_every=obj.get("drain_every"),
             sync_warmup=int(obj.get("sync_warmup", 0)),
             ranks=tuple(tuple(Action.parse(str(a)) for a in order) for order in ranks),
+            **_placement(obj.get("placement"), obj.get("num_ranks"), obj["num_stages"]),
         )
 
     def save_json(self, path: str | Path) -> None:
@@ -210,6 +251,23 @@ class Schedule:
         except json.JSONDecodeError as err:
             raise ScheduleError(f"schedule file {str(path)!r} is not valid JSON: {err}") from None
         return Schedule.from_json(obj)
+
+
+def _placement(kind: Any, num_ranks: Any, num_stages: Any) -> dict[str, Any]:
+    """The ``placement`` argument a text or JSON form names (none: one stage per rank), or a
+    ScheduleError when it does not fit."""
+    if kind is None or kind == "one":
+        return {}
+    try:
+        ranks, stages = int(num_ranks), int(num_stages)
+        if ranks < 1 or stages % ranks:
+            raise ValueError(
+                f"{stages} stages cannot be placed evenly on {ranks} ranks; give a rank count "
+                "that divides the stage count"
+            )
+        return {"placement": Placement(str(kind), ranks, stages // ranks)}
+    except (TypeError, ValueError) as err:
+        raise ScheduleError(f"bad placement {kind!r} with ranks={num_ranks!r}: {err}") from None
 
 
 def format_grid(

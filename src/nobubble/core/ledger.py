@@ -4,17 +4,21 @@ For each (stage, micro-batch): the version its forward read, the version its bac
 step that applied its gradient, and how many updates the stage applied between the two (crossed).
 Everything is derived from each rank's order and the schedule's two weight rules, here and only
 here; the validator, simulator, emulator and plots read it from this module.
+
+With a split backward the weights are read by I (the input gradient multiplies by them), so I
+counts as the backward here; W only finishes the micro-batch, which stays in flight (its saved
+input and output gradient held) until W has run, and W's gradient is what the next step applies.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from nobubble.core.ir import STEP, B, F, Schedule
+from nobubble.core.ir import STEP, Action, B, F, I, Schedule
 
 
 def forward_version(rule: str, batch: int, current: int, sync_warmup: int = 0) -> int:
@@ -42,7 +46,7 @@ class StageLedger:
     fwd_current: list[int]  # steps the stage had applied when the forward ran
     bwd_current: list[int]  # ... and when the backward ran
     applied_step: list[int]
-    peak_inflight: int
+    peak_inflight: int  # most micro-batches whose forward ran and whose gradient is not done
     peak_versions: int
 
     @cached_property
@@ -78,9 +82,10 @@ def _stage_ledger(schedule: Schedule, stage: int) -> StageLedger:
     intervals: dict[int, list[int]] = {0: [-1, -1]}  # version -> [created, end)
     current = inflight = peak_inflight = 0
     unapplied: list[int] = []
-    order = schedule.ranks[stage]
+    order = stage_order(schedule, stage)
     stashed = schedule.backward_rule == "stashed"
     warmup = schedule.sync_warmup
+    done = schedule.gradient_kind  # B, or W when backwards are split
     for pos, (_, kind, m) in enumerate(order):
         if kind == F:
             v = forward_version(schedule.forward_rule, m // m_per_step, current, warmup)
@@ -89,15 +94,16 @@ def _stage_ledger(schedule: Schedule, stage: int) -> StageLedger:
             interval[1] = max(interval[1], pos + 1)
             inflight += 1
             peak_inflight = max(peak_inflight, inflight)
-        elif kind == B:
+        elif kind in (B, I):
             v = backward_version(schedule.backward_rule, fwd_version[m], current)
             bwd_version[m], bwd_current[m] = v, current
             if stashed:
                 interval = intervals[v]
                 interval[1] = max(interval[1], pos + 1)
+        if kind == done:
             inflight -= 1
             unapplied.append(m)
-        elif kind == STEP:
+        if kind == STEP:
             intervals[current][1] = max(intervals[current][1], pos)  # superseded here
             current += 1
             intervals[current] = [pos, pos]
@@ -159,6 +165,31 @@ class Ledger:
             if stage is None or st.stage == stage:
                 counts.update(st.crossed)
         return dict(sorted(counts.items()))
+
+
+def stage_order(schedule: Schedule, stage: int) -> Sequence[Action]:
+    """The actions of ``stage`` in the order its rank runs them."""
+    order = schedule.ranks[schedule.placement.rank_of(stage)]
+    if schedule.placement.stages_per_rank == 1:
+        return order
+    return [a for a in order if a.stage == stage]
+
+
+def rank_peak_inflight(schedule: Schedule) -> list[int]:
+    """Per rank: most (stage, micro-batch) pairs whose forward ran and whose gradient is not done,
+    over all the rank's stages (a stage of a rank holding v stages is 1/v of the model slice)."""
+    done = schedule.gradient_kind
+    peaks = []
+    for order in schedule.ranks:
+        inflight = peak = 0
+        for _, kind, _ in order:
+            if kind == F:
+                inflight += 1
+                peak = max(peak, inflight)
+            elif kind == done:
+                inflight -= 1
+        peaks.append(peak)
+    return peaks
 
 
 def build_ledger(schedule: Schedule) -> Ledger:

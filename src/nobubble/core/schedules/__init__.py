@@ -1,8 +1,9 @@
 """Schedule generators, one per file, built from integers only.
 
 ``build_schedule`` is the single entry point: it checks the integers, resolves what M means for
-each schedule (the accumulation factor ``a`` for ``pipedream`` and ``paci``) and calls the
-generator.
+each schedule (the accumulation factor ``a`` for ``pipedream`` and ``paci``) and how many stages
+each of the P ranks holds (v for ``interleaved-1f1b``, 2 for ``zbv``, else 1), checks the
+schedule's preconditions and calls the generator.
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from nobubble.core.ir import Schedule, ScheduleError
-from nobubble.core.schedules import gpipe, one_f_one_b, paci, pipedream, two_bw
+from nobubble.core.schedules import (
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    paci,
+    pipedream,
+    two_bw,
+    zb_h1,
+    zbv,
+)
 from nobubble.core.schedules.bounds import MAX_ACTIONS, check_size
 from nobubble.core.util import paused_gc
 
@@ -26,6 +36,10 @@ class ScheduleInfo:
     synchronous: bool
     uses_accum: bool  # M is the accumulation factor ``a`` (steps every ``a`` backwards)
     default_accum: int | None  # None: defaults to --microbatches
+    split_backward: bool = False  # backwards run as I then W
+    placement: str = "one"  # "one" stage per rank, "loop" (v per rank, interleaved) or "v" (2)
+    default_virtual: int = 1  # stages per rank when --virtual-stages is not given
+    check: Callable[[int, int, int], None] | None = None  # preconditions on (P, M, v)
 
 
 SCHEDULES: dict[str, ScheduleInfo] = {
@@ -38,6 +52,32 @@ SCHEDULES: dict[str, ScheduleInfo] = {
         ScheduleInfo(pipedream.NAME, pipedream.SUMMARY, pipedream.generate, False, True, 1),
         ScheduleInfo(two_bw.NAME, two_bw.SUMMARY, two_bw.generate, False, False, None),
         ScheduleInfo(paci.NAME, paci.SUMMARY, paci.generate, False, True, None),
+        ScheduleInfo(
+            interleaved_1f1b.NAME,
+            interleaved_1f1b.SUMMARY,
+            interleaved_1f1b.generate,
+            True,
+            False,
+            None,
+            placement="loop",
+            default_virtual=2,
+            check=interleaved_1f1b.check,
+        ),
+        ScheduleInfo(
+            zb_h1.NAME, zb_h1.SUMMARY, zb_h1.generate, True, False, None, split_backward=True
+        ),
+        ScheduleInfo(
+            zbv.NAME,
+            zbv.SUMMARY,
+            zbv.generate,
+            True,
+            False,
+            None,
+            split_backward=True,
+            placement="v",
+            default_virtual=2,
+            check=zbv.check,
+        ),
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -73,6 +113,24 @@ def resolve_microbatches(name: str, num_microbatches: int, accum: int | None) ->
     return info.default_accum if info.default_accum is not None else num_microbatches
 
 
+def resolve_virtual_stages(name: str, virtual_stages: int | None) -> int:
+    """Stages per rank for schedule ``name``: ``virtual_stages`` when given, else its default.
+
+    Only ``interleaved-1f1b`` (any v >= 2) and ``zbv`` (v = 2) place several stages per rank.
+    """
+    info = schedule_info(name)
+    if virtual_stages is None:
+        return info.default_virtual
+    _check_positive("the stages per rank v", "--virtual-stages", virtual_stages)
+    if info.placement == "one" and virtual_stages != 1:
+        multi = ", ".join(n for n, i in SCHEDULES.items() if i.placement != "one")
+        raise ScheduleError(
+            f"{name} runs one stage per rank, so --virtual-stages {virtual_stages} does not "
+            f"apply; it applies to {multi}"
+        )
+    return virtual_stages
+
+
 def build_schedule(
     name: str,
     num_stages: int,
@@ -83,8 +141,13 @@ def build_schedule(
     sync_warmup: int = 0,
     max_actions: int | None = MAX_ACTIONS,
     drain_at: Collection[int] = (),
+    virtual_stages: int | None = None,
 ) -> Schedule:
-    """Generate schedule ``name`` for P stages, M micro-batches per step and N steps.
+    """Generate schedule ``name`` for P ranks, M micro-batches per step and N steps.
+
+    ``num_stages`` is P, the pipeline's ranks: the stages too for the schedules that place one
+    stage per rank; ``interleaved-1f1b`` cuts the model into v·P stages (``virtual_stages`` v,
+    default 2) and ``zbv`` into 2P.
 
     ``sync_warmup`` (asynchronous schedules only) runs the first steps flushed, as 1f1b does,
     before switching to the schedule's own order and weight rules (arXiv 2606.30634, sec. 5).
@@ -102,8 +165,12 @@ def build_schedule(
     if not isinstance(sync_warmup, int) or sync_warmup < 0:
         raise ScheduleError(f"sync warm-up must be an integer >= 0 steps, got {sync_warmup!r}")
     m = resolve_microbatches(name, num_microbatches, accum)
+    virtual = resolve_virtual_stages(name, virtual_stages)
+    if info.check is not None:
+        info.check(num_stages, m, virtual)
     if max_actions is not None:
-        check_size(name, num_stages, m, num_steps, max_actions)
+        check_size(name, num_stages, m, num_steps, max_actions, virtual, info.split_backward)
+    placed = {} if info.placement == "one" else {"virtual_stages": virtual}
     with paused_gc():
         if sync_warmup:
             if info.synchronous:
@@ -114,4 +181,4 @@ def build_schedule(
             return info.generate(
                 num_stages, m, num_steps, drain_every, sync_warmup=sync_warmup, drain_at=drain_at
             )
-        return info.generate(num_stages, m, num_steps, drain_every, drain_at=drain_at)
+        return info.generate(num_stages, m, num_steps, drain_every, drain_at=drain_at, **placed)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from nobubble.core.ir import STEP, Action, B, F
+from nobubble.core.placement import Placement
 
 
 def one_f_one_b(stage: int, num_stages: int, first: int, count: int) -> list[Action]:
@@ -37,6 +38,31 @@ def insert_steps(order: list[Action], stage: int, num_microbatches: int) -> list
         if action.kind == B and (action.number + 1) % num_microbatches == 0:
             append(Action(stage, STEP, (action.number + 1) // num_microbatches))
     return out
+
+
+def flushed(
+    batch_order: Callable[[int, int], list[Action]],
+    placement: Placement,
+    num_microbatches: int,
+    num_steps: int,
+) -> tuple[tuple[Action, ...], ...]:
+    """Synchronous schedules: per rank, ``batch_order(rank, first)`` for each batch in turn (a
+    flush between batches), then the STEP of each of the rank's stages.
+
+    Stepping at the end of the rank's batch rather than after each stage's own last gradient
+    changes no number (the stage's next forward is in the next batch either way) and gives a rank
+    that holds several stages one point where all its gradients are done: where a global gradient
+    norm is gathered and the ranks meet at a drain point. It can cost time only when a step is
+    expensive and could have hidden in an idle gap of the cool-down.
+    """
+    ranks = []
+    for rank in range(placement.num_ranks):
+        order: list[Action] = []
+        for step in range(1, num_steps + 1):
+            order += batch_order(rank, (step - 1) * num_microbatches)
+            order += [Action(stage, STEP, step) for stage in placement.stages_of(rank)]
+        ranks.append(tuple(order))
+    return tuple(ranks)
 
 
 def segments(

@@ -6,14 +6,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nobubble.core.ir import B, F, I, W
+from nobubble.core.placement import Placement
+
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-stage forward and backward durations, step cost and point-to-point transfer cost.
+    """Forward, backward and weight-gradient durations, step cost and point-to-point transfer cost.
 
-    ``fwd`` and ``bwd`` are one number for every stage or one per stage. A transfer between
-    neighbouring stages costs ``latency + activation_bytes / bandwidth`` (bandwidth in bytes per
-    time unit; ``inf`` means free transfers).
+    ``fwd`` and ``bwd`` are one number for every rank, one per rank, or one per stage; a rank
+    that holds v stages (interleaved, ZB-V) spends 1/v of its rank's number on each, so the same
+    numbers describe the same model whatever the schedule. ``wgrad`` is the weight-gradient part W
+    of ``bwd``; a split backward runs I = bwd - wgrad then W = wgrad (None: half of bwd each).
+    A transfer between neighbouring stages on different ranks costs ``latency + activation_bytes
+    / bandwidth`` (bandwidth in bytes per time unit; ``inf`` means free transfers).
     """
 
     fwd: float | tuple[float, ...] = 1.0
@@ -22,12 +28,17 @@ class CostModel:
     latency: float = 0.0
     bandwidth: float = math.inf
     activation_bytes: float = 0.0
+    wgrad: float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        for label, value in (("fwd", self.fwd), ("bwd", self.bwd)):
+        for label, value in (("fwd", self.fwd), ("bwd", self.bwd), ("wgrad", self.wgrad)):
+            if value is None:
+                continue
             values = value if isinstance(value, tuple) else (value,)
             if not values or any(not math.isfinite(v) or v < 0 for v in values):
                 raise ValueError(f"--{label} durations must be finite and >= 0, got {value!r}")
+        if isinstance(self.bwd, (int, float)) and isinstance(self.wgrad, (int, float)):
+            _check_wgrad(self.wgrad, self.bwd, "")
         for label, number in (
             ("step", self.step),
             ("latency", self.latency),
@@ -60,8 +71,43 @@ class CostModel:
     def bwd_costs(self, num_stages: int) -> list[float]:
         return self.per_stage(self.bwd, num_stages, "bwd")
 
+    def durations(self, placement: Placement) -> dict[str, list[float]]:
+        """Per-stage durations of F, B, I and W under ``placement`` (see the class docstring)."""
+        fwd = _spread(self.fwd, placement, "fwd")
+        bwd = _spread(self.bwd, placement, "bwd")
+        if self.wgrad is None:
+            wgrad = [b / 2 for b in bwd]
+        else:
+            wgrad = _spread(self.wgrad, placement, "wgrad")
+        for stage, (b, w) in enumerate(zip(bwd, wgrad, strict=True)):
+            _check_wgrad(w, b, f" on stage {stage}")
+        return {F: fwd, B: bwd, I: [b - w for b, w in zip(bwd, wgrad, strict=True)], W: wgrad}
+
     def transfer(self) -> float:
         return self.latency + self.activation_bytes / self.bandwidth
+
+
+def _check_wgrad(wgrad: float, bwd: float, where: str) -> None:
+    if wgrad > bwd:
+        raise ValueError(
+            f"--wgrad {wgrad:g} exceeds --bwd {bwd:g}{where}: the weight gradient W is part of "
+            "the backward (I = bwd - wgrad), so give a --wgrad of at most --bwd"
+        )
+
+
+def _spread(value: float | tuple[float, ...], placement: Placement, label: str) -> list[float]:
+    """Per-stage durations from one number, one per rank or one per stage."""
+    values = value if isinstance(value, tuple) else (value,)
+    share = placement.stages_per_rank
+    if len(values) == placement.num_stages:
+        return list(values)
+    if len(values) in (1, placement.num_ranks):
+        per_rank = values * placement.num_ranks if len(values) == 1 else values
+        return [per_rank[placement.rank_of(s)] / share for s in range(placement.num_stages)]
+    raise ValueError(
+        f"--{label} gives {len(values)} durations for {placement.describe()}; give one number, "
+        f"one per rank ({placement.num_ranks}) or one per stage ({placement.num_stages})"
+    )
 
 
 def parse_durations(values: Sequence[float]) -> float | tuple[float, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nobubble.core.deps import FLOW, remote_dependency
-from nobubble.core.ir import Action, B, F, Schedule
+from nobubble.core.ir import STEP, Action, Schedule
 from nobubble.core.sim.cost import CostModel
 
 
@@ -45,53 +45,67 @@ def run_timeline(schedule: Schedule, cost: CostModel) -> Timeline:
 
     A work list of ranks: a rank runs until it waits for a neighbour; whenever it advances, the
     ranks that consume its outputs are revisited. Each action is placed once, so the cost is
-    linear in the number of actions.
+    linear in the number of actions. A hop between two stages of one rank costs no transfer.
     """
-    num_stages = schedule.num_stages
+    num_stages, num_ranks = schedule.num_stages, schedule.num_ranks
+    placement = schedule.placement
     total = schedule.total_microbatches
-    duration = {F: cost.fwd_costs(num_stages), B: cost.bwd_costs(num_stages)}
+    durations = cost.durations(placement)  # kind -> per-stage durations
     hop, step_cost = cost.transfer(), cost.step
     # done[kind][stage][m]: end time of that action, -1.0 while it has not run.
     done = {kind: [[-1.0] * total for _ in range(num_stages)] for kind in FLOW}
-    starts: tuple[list[float], ...] = tuple([] for _ in range(num_stages))
-    ends: tuple[list[float], ...] = tuple([] for _ in range(num_stages))
-    pointer, clock = [0] * num_stages, [0.0] * num_stages
-    # Per rank (= stage here): its own end-time arrays, the arrays it reads from (None at the
-    # pipeline's ends) and its durations, all keyed by kind as the dependency rule says.
+    starts: tuple[list[float], ...] = tuple([] for _ in range(num_ranks))
+    ends: tuple[list[float], ...] = tuple([] for _ in range(num_ranks))
+    pointer, clock = [0] * num_ranks, [0.0] * num_ranks
+    # Per stage: its own end-time arrays, the arrays it reads from with the hop each costs (None
+    # at the pipeline's ends), and its durations, all keyed by kind as the dependency rule says.
     own = [{k: done[k][s] for k in FLOW} for s in range(num_stages)]
     reads = [
-        {k: done[k][s + off] if 0 <= s + off < num_stages else None for k, off in FLOW.items()}
+        {
+            k: (done[k][s + off], 0.0 if placement.same_rank(s, s + off) else hop)
+            if 0 <= s + off < num_stages
+            else None
+            for k, off in FLOW.items()
+        }
         for s in range(num_stages)
     ]
-    dur = [{k: duration[k][s] for k in FLOW} for s in range(num_stages)]
+    dur = [{STEP: step_cost, **{k: durations[k][s] for k in durations}} for s in range(num_stages)]
     consumers = [
-        [s - off for off in FLOW.values() if 0 <= s - off < num_stages] for s in range(num_stages)
+        sorted(
+            {
+                placement.rank_of(s - off)
+                for s in placement.stages_of(r)
+                for off in FLOW.values()
+                if 0 <= s - off < num_stages and not placement.same_rank(s, s - off)
+            }
+        )
+        for r in range(num_ranks)
     ]
-    pending, queued = list(range(num_stages - 1, -1, -1)), [True] * num_stages
+    pending, queued = list(range(num_ranks - 1, -1, -1)), [True] * num_ranks
     while pending:
         rank = pending.pop()
         queued[rank] = False
         order, i, now = schedule.ranks[rank], pointer[rank], clock[rank]
-        own_get, reads_r, dur_r = own[rank].get, reads[rank], dur[rank]
         s_append, e_append = starts[rank].append, ends[rank].append
-        n = len(order)
+        n, last = len(order), -1
         while i < n:
-            _, kind, m = order[i]
+            stage, kind, m = order[i]
+            if stage != last:  # rebind the stage's tables only when the stage changes
+                own_get, reads_s, dur_s, last = own[stage].get, reads[stage], dur[stage], stage
             mine = own_get(kind)
-            if mine is None:  # local action (STEP)
-                start = now
-                now += step_cost
+            start = now
+            if mine is None:  # local action (W, STEP)
+                now += dur_s[kind]
             else:
-                source = reads_r[kind]
-                start = now
+                source = reads_s[kind]
                 if source is not None:
-                    ready = source[m]
+                    ready = source[0][m]
                     if ready < 0.0:
                         break  # waiting for a neighbour; it will requeue this rank
-                    ready += hop
+                    ready += source[1]
                     if ready > now:
                         start = ready
-                now = start + dur_r[kind]
+                now = start + dur_s[kind]
                 mine[m] = now
             s_append(start)
             e_append(now)
@@ -102,7 +116,7 @@ def run_timeline(schedule: Schedule, cost: CostModel) -> Timeline:
                     queued[other] = True
                     pending.append(other)
         pointer[rank], clock[rank] = i, now
-    if any(pointer[r] < len(schedule.ranks[r]) for r in range(num_stages)):
+    if any(pointer[r] < len(schedule.ranks[r]) for r in range(num_ranks)):
         raise Deadlock(list(pointer))
     return Timeline(schedule, starts, ends)
 

@@ -2,9 +2,14 @@
 
 - utilization of a stage = busy time / makespan; bubble share = 1 - mean utilization
   (= idle time / (P x makespan));
-- steady window = from the start of stage 0's first backward to the end of stage 0's last forward
-  (the pipeline is full in between); steady utilization and throughput are measured inside it;
-- throughput = micro-batches completed (stage 0 backward ends) per time unit.
+- steady window = from the start of rank 0's first backward (B or I) to the end of rank 0's last
+  forward (the pipeline is full in between); steady utilization and throughput are measured
+  inside it;
+- throughput = micro-batches completed on rank 0 (B, or W when backwards are split; each of a
+  rank's v stages counts 1/v) per time unit.
+
+Utilization is per rank; the ledger's peaks (in flight, versions, crossed) are per stage, and
+``rank_peak_inflight`` sums a rank's stages (the same numbers when a rank holds one stage).
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from nobubble.core.ir import Action, B, F, Schedule
-from nobubble.core.ledger import Ledger
+from nobubble.core.ir import Action, B, F, I, Schedule
+from nobubble.core.ledger import Ledger, rank_peak_inflight
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class Metrics:
     peak_versions: list[int]
     max_crossed: list[int]
     crossed_histogram: dict[int, int]
+    rank_peak_inflight: list[int]  # per rank, over its stages (stage-micro-batches)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -44,8 +50,8 @@ class Metrics:
 def steady_window(
     rank0: Sequence[Action], starts: Sequence[float], ends: Sequence[float], run_end: float
 ) -> tuple[float, float]:
-    """[first backward start, last forward end] on stage 0; the whole run if that is empty."""
-    first_b = next((starts[i] for i, a in enumerate(rank0) if a.kind == B), 0.0)
+    """[first backward start, last forward end] on rank 0; the whole run if that is empty."""
+    first_b = next((starts[i] for i, a in enumerate(rank0) if a.kind in (B, I)), 0.0)
     last_f = next((ends[i] for i in range(len(rank0) - 1, -1, -1) if rank0[i].kind == F), 0.0)
     if last_f <= first_b:
         return (min(starts, default=0.0), run_end)
@@ -98,9 +104,10 @@ def compute_metrics(
     utilization = [b / makespan if makespan > 0 else 0.0 for b in busy]
     width = hi - lo
     steady_util = [b / width if width > 0 else 0.0 for b in steady_busy]
+    done = schedule.gradient_kind  # a stage of a rank holding v stages finishes 1/v of one
     completed = sum(
-        1 for i, a in enumerate(schedule.ranks[0]) if a.kind == B and lo < ends[0][i] <= hi
-    )
+        1 for i, a in enumerate(schedule.ranks[0]) if a.kind == done and lo < ends[0][i] <= hi
+    ) / len(schedule.placement.stages_of(0))
     summary = ledger.summary()
     return Metrics(
         makespan=makespan,
@@ -115,4 +122,5 @@ def compute_metrics(
         peak_versions=[row["peak_versions"] for row in summary],
         max_crossed=[row["max_crossed"] for row in summary],
         crossed_histogram=ledger.crossed_histogram(),
+        rank_peak_inflight=rank_peak_inflight(schedule),
     )

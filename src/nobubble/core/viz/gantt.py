@@ -1,4 +1,8 @@
-"""Gantt PNG: one lane per stage, a colour per action kind, micro-batch numbers in the bars."""
+"""Gantt PNG: one lane per rank, a colour per action kind, micro-batch numbers in the bars.
+
+A rank that holds several stages draws its later stages paler, so the loops of an interleaved
+schedule and the two arms of a V can be told apart.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,15 @@ from pathlib import Path
 
 from nobubble.core.ir import Action
 
-COLOURS = {"F": "#4C72B0", "B": "#DD8452", "STEP": "#55A868", "SEND": "#8172B3", "RECV": "#937860"}
+COLOURS = {
+    "F": "#4C72B0",
+    "B": "#DD8452",
+    "I": "#C44E52",
+    "W": "#CCB974",
+    "STEP": "#55A868",
+    "SEND": "#8172B3",
+    "RECV": "#937860",
+}
 
 
 def _colour(kind: str) -> str:
@@ -19,8 +31,12 @@ def save_gantt(
     panels: Sequence[tuple[str, Sequence[Sequence[tuple[Action, float, float]]]]],
     time_unit: str = "time",
     max_labels: int = 400,
+    lane_names: Sequence[Sequence[str]] | None = None,
 ) -> Path:
-    """One subplot per (title, lanes) panel, sharing the time axis so panels compare directly."""
+    """One subplot per (title, lanes) panel, sharing the time axis so panels compare directly.
+
+    ``lane_names`` gives each panel's lane labels (default ``stage 0``, ``stage 1``, ...).
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # headless: no display on servers or CI
@@ -31,11 +47,15 @@ def save_gantt(
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(13, max(2.5, height)), sharex=True, squeeze=False
     )
-    for ax, (title, lanes) in zip(axes[:, 0], panels, strict=True):
+    kinds: set[str] = set()
+    for index, (ax, (title, lanes)) in enumerate(zip(axes[:, 0], panels, strict=True)):
         spans = sum(len(s) for s in lanes)
         horizon = max((end for lane in lanes for _, _, end in lane), default=1.0) or 1.0
         for lane, lane_spans in enumerate(lanes):
+            stages = sorted({action.stage for action, _, _ in lane_spans})
+            shade = {s: 1.0 - 0.45 * k / max(1, len(stages) - 1) for k, s in enumerate(stages)}
             for action, start, end in lane_spans:
+                kinds.add(action.kind)
                 if action.kind == "STEP" and end - start < 0.002 * horizon:
                     # zero-cost steps still matter for reading versions: draw a tick
                     ax.plot(
@@ -51,12 +71,13 @@ def save_gantt(
                     left=start,
                     height=0.8,
                     color=_colour(action.kind),
+                    alpha=shade[action.stage],
                     edgecolor="white",
                     linewidth=0.4,
                 )
                 label = str(action.number)
                 wide = (end - start) / horizon > 0.0045 * len(label)  # label fits in the bar
-                if spans <= max_labels and wide and action.kind in ("F", "B"):
+                if spans <= max_labels and wide and action.kind in ("F", "B", "I", "W"):
                     ax.text(
                         (start + end) / 2,
                         lane,
@@ -66,12 +87,14 @@ def save_gantt(
                         fontsize=7,
                         color="white",
                     )
-        ax.set_yticks(range(len(lanes)), [f"stage {s}" for s in range(len(lanes))])
+        names = lane_names[index] if lane_names else [f"stage {s}" for s in range(len(lanes))]
+        ax.set_yticks(range(len(lanes)), list(names))
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel(time_unit)
-    handles = [Patch(color=c, label=k) for k, c in COLOURS.items() if k in ("F", "B", "STEP")]
-    fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
+    shown = [k for k in ("F", "B", "I", "W") if k in kinds] + ["STEP"]
+    handles = [Patch(color=COLOURS[k], label=k) for k in shown]
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,10 @@ def trace_events(
     time_scale_us: float = 1000.0,
     process_name: str = "nobubble",
     pid: int = 0,
+    lane_names: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Complete ('X') events, one thread per stage; times are multiplied by ``time_scale_us``."""
+    """Complete ('X') events, one thread per lane (a stage, or a rank holding several stages:
+    each event's args name its stage); times are multiplied by ``time_scale_us``."""
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}}
     ]
@@ -27,7 +29,7 @@ def trace_events(
                 "ph": "M",
                 "pid": pid,
                 "tid": lane,
-                "args": {"name": f"stage {lane}"},
+                "args": {"name": lane_names[lane] if lane_names else f"stage {lane}"},
             }
         )
         for action, start, end in spans:
