@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nobubble.core.ledger import build_ledger
-from nobubble.core.schedules import build_schedule
+from nobubble.core.schedules import build_schedule, check_trainable, schedule_info
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
 from nobubble.model import build_model, lm_loss, model_config, partition_layers, split_model
 from nobubble.optim import NoCorrection, OptimConfig, build_optimizer
@@ -37,6 +37,11 @@ class EmulatorBench:
     optimizer: str = "adamw"
     seed: int = 0
     api: bool = True  # also time each schedule through nobubble.Pipeline ("api-<name>")
+
+    def __post_init__(self) -> None:
+        for name in self.schedules:
+            schedule_info(name)  # an unknown name: the list of known ones
+            check_trainable(name)
 
 
 def _batches(cfg: EmulatorBench) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:

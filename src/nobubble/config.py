@@ -18,7 +18,12 @@ from typing import Any
 
 import tomllib
 
-from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, resolve_microbatches
+from nobubble.core.schedules import (
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    check_trainable,
+    resolve_microbatches,
+)
 from nobubble.core.util import physical_memory_bytes
 from nobubble.data import DataConfig
 from nobubble.hf import check_installed, config_layers
@@ -131,6 +136,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
+        check_trainable(self.schedule)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("correction", self.correction, CORRECTIONS)
         _choice("dtype", self.dtype, DTYPES)

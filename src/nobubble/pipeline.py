@@ -26,7 +26,13 @@ from torch import nn
 
 from nobubble.core.ir import STEP, Action, Schedule
 from nobubble.core.ledger import Ledger, build_ledger
-from nobubble.core.schedules import SCHEDULES, build_schedule, resolve_microbatches, schedule_info
+from nobubble.core.schedules import (
+    SCHEDULES,
+    build_schedule,
+    check_trainable,
+    resolve_microbatches,
+    schedule_info,
+)
 from nobubble.core.validate import validate
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
 from nobubble.exec.tree import Tree
@@ -208,6 +214,7 @@ class Pipeline:
             raise TypeError(f"loss_fn must be callable(outputs, targets), got {loss_fn!r}")
         self.loss_fn = loss_fn
         info = schedule_info(schedule)
+        check_trainable(schedule, f"schedule={schedule!r}")
         self.schedule_name = schedule
         self.num_stages = len(self.stages)
         self.microbatches = resolve_microbatches(schedule, microbatches, accum)

@@ -81,6 +81,25 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
+# What the executor (emulator and runtime) trains: one stage per rank, fused backward. The
+# others exist for the schedule tools (validate, simulate, timelines) until it runs them.
+TRAINABLE = tuple(n for n, i in SCHEDULES.items() if i.placement == "one" and not i.split_backward)
+
+
+def check_trainable(name: str, what: str | None = None) -> None:
+    """Refuse a schedule the executor cannot run yet, naming what it lacks and what works."""
+    info = schedule_info(name)
+    if name in TRAINABLE:
+        return
+    lacks = []
+    if info.split_backward:
+        lacks.append("split backward (I and W)")
+    if info.placement != "one":
+        lacks.append("several stages per rank")
+    raise ScheduleError(
+        f"{what or '--schedule ' + name}: training does not run {' or '.join(lacks)} yet "
+        "(`nobubble show`, `ledger` and `simulate` do); train with one of " + ", ".join(TRAINABLE)
+    )
 
 
 def schedule_info(name: str) -> ScheduleInfo:
