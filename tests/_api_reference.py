@@ -62,6 +62,7 @@ def run_pipeline(
     **kwargs: Any,
 ) -> tuple[nobubble.Pipeline, list[float], nn.Module]:
     model = problem.make_model()
+    runner_options = kwargs.pop("runner_options", {})  # runtime="dist": e.g. {"strict": True}
     pipe = nobubble.Pipeline(
         problem.cut(model, stages_n),
         problem.loss_fn,
@@ -70,6 +71,7 @@ def run_pipeline(
         optimizer=kwargs.pop("optimizer", adamw),
         **kwargs,
     )
+    pipe.runner_options = runner_options
     losses: dict[int, float] = {}
     for j in range(steps):
         result = pipe.step(*problem.batch(j))

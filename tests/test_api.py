@@ -50,7 +50,7 @@ def make_model() -> nn.Sequential:
     )
 
 
-CUTS = {1: [], 2: ["3"], 4: ["2", "3", "5"]}
+CUTS = {1: [], 2: ["3"], 3: ["2", "5"], 4: ["2", "3", "5"]}
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -270,7 +270,7 @@ def test_split_refuses_bad_points_with_the_fix():
     )
 
 
-def test_split_balances_parameters_over_the_children():
+def test_split_balances_compute_over_the_children():
     stages = nobubble.split(make_model(), 2)
     sizes = [sum(p.numel() for p in s.parameters()) for s in stages]
     assert [list(dict(s.named_children())) for s in stages] == [
@@ -288,12 +288,20 @@ def test_pipeline_refuses_bad_stages_and_batches():
         r"stage 1 has no parameters",
         lambda: nobubble.Pipeline([nn.Linear(2, 2), nn.Tanh()], loss_fn),
     )
+    refuses(
+        r"clip_scope='global' would make the stages of the asynchronous paci meet",
+        lambda: nobubble.Pipeline(
+            stages(), loss_fn, schedule="paci", clip=1.0, clip_scope="global"
+        ),
+    )
     shared = nn.Linear(4, 4)
     refuses(
         r"parameter 'weight' of stage 1 is also 'weight' of stage 0 \(tied weights\)",
         lambda: nobubble.Pipeline([shared, shared], loss_fn),
     )
-    refuses(r"unknown schedule 'zbv'", lambda: nobubble.Pipeline(stages(), loss_fn, schedule="zbv"))
+    refuses(
+        r"unknown schedule 'zb-2p'", lambda: nobubble.Pipeline(stages(), loss_fn, schedule="zb-2p")
+    )
     refuses(
         r"runtime='dist' needs a process group: start the script with torchrun",
         lambda: nobubble.Pipeline(stages(), loss_fn, runtime="dist"),

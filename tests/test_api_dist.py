@@ -24,6 +24,7 @@ from nobubble.dist.launch import free_port
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
 STEPS, DRAIN = 6, 3
+SCHEDULES = ["gpipe", "1f1b", "pipedream", "2bw", "paci"]
 
 RANK_SCRIPT = """
 import json, sys, torch
@@ -40,6 +41,25 @@ merged = pipe.merged_state_dict()
 val = pipe.evaluate(*problem.batch(99))
 torch.save({"losses": losses, "weights": weights, "merged": sorted(merged), "val": val},
            f"{out}/rank{rank}.pt")
+pipe.close()
+"""
+
+GRID_SCRIPT = """
+import json, sys, torch
+stages, out, schedules = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+import problems
+from _api_reference import run_pipeline
+saved = {}
+for schedule in schedules:
+    options = {"accum": 4} if schedule == "pipedream" else {}  # M=4 (pipedream's default a=1)
+    pipe, losses, _ = run_pipeline(problems.PROBLEMS["seq"], schedule, stages, 4, 2, clip=0.5,
+                                   runtime="dist", timeout=60, runner_options={"strict": True},
+                                   **options)
+    saved[schedule] = {
+        "losses": losses,
+        "weights": {n: p.detach().clone() for n, p in pipe.stages[pipe.rank].named_parameters()},
+    }
+torch.save(saved, f"{out}/rank{pipe.rank}.pt")
 pipe.close()
 """
 
@@ -69,9 +89,13 @@ def problems() -> dict:
 
 
 def run_ranks(case: dict, out: Path) -> None:
-    world = case["stages"]
-    (out / "problems.py").write_text(PROBLEMS_MODULE)
     (out / "rank.py").write_text(RANK_SCRIPT)
+    launch(out, case["stages"], [str(out / "rank.py"), json.dumps(case), str(out)])
+
+
+def launch(out: Path, world: int, args: list[str]) -> None:
+    """``world`` ranks of ``python ARGS`` on this machine, one torch thread each."""
+    (out / "problems.py").write_text(PROBLEMS_MODULE)
     port = free_port()
     procs = []
     for rank in range(world):
@@ -84,7 +108,7 @@ def run_ranks(case: dict, out: Path) -> None:
             OMP_NUM_THREADS="1",
             PYTHONPATH=os.pathsep.join([str(out), str(TESTS), str(SRC)]),
         )
-        command = [sys.executable, str(out / "rank.py"), json.dumps(case), str(out)]
+        command = [sys.executable, *args]
         procs.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True))
     try:
         errors = [p.communicate(timeout=180)[1] for p in procs]
@@ -134,3 +158,29 @@ def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, o
     ]
     whole = sorted(n for s in pipe.stages for n in s.state_dict())
     assert all(part["merged"] == whole for part in parts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_every_schedule_under_nccl_rules_equals_the_emulated_pipeline(stages, tmp_path):
+    """NCCL's rules enforced on gloo (one stream per rank, a batch starts when the previous one
+    completed, tags ignored): an order NCCL would deadlock on hangs here and fails by the
+    timeout. Every schedule, with clipping (global for the synchronous ones) and a drain point,
+    in one launch per P."""
+    (tmp_path / "grid.py").write_text(GRID_SCRIPT)
+    args = [str(tmp_path / "grid.py"), str(stages), str(tmp_path), json.dumps(SCHEDULES)]
+    launch(tmp_path, stages, args)
+    torch.set_num_threads(1)
+    available = problems()
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(stages)]
+    for schedule in SCHEDULES:
+        options = {"accum": 4} if schedule == "pipedream" else {}
+        pipe, losses, _ = run_pipeline(
+            available["seq"], schedule, stages, 4, 2, clip=0.5, **options
+        )
+        assert parts[-1][schedule]["losses"] == losses, schedule
+        for rank, part in enumerate(parts):
+            ours = {n: p.detach() for n, p in pipe.stages[rank].named_parameters()}
+            theirs = part[schedule]["weights"]
+            assert theirs.keys() == ours.keys()
+            assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (schedule, rank)

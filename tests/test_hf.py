@@ -115,6 +115,32 @@ def test_split_keeps_the_model_names_and_balances_blocks():
         nobubble.split(model, 5)
 
 
+def test_a_balanced_split_weighs_the_heads_compute_not_the_embeddings_lookup(tmp_path):
+    """With a head as costly as two blocks, balancing compute moves a block to the first stage;
+    balancing raw parameters would count the embedding instead and cut in the middle."""
+    config = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    head = model.lm_head.weight.numel()
+    # the contiguous cut that minimizes the heavier stage, by hand: k blocks | 8 - k + head
+    best = min(range(1, 8), key=lambda k: max(k * block, (8 - k) * block + head))
+    stages = nobubble.split(model, 2)
+    assert [s.layer_ids for s in stages] == [tuple(range(best)), tuple(range(best, 8))]
+    assert best == 5
+    config.save_pretrained(tmp_path)
+    balance = nobubble.hf.split_balance(str(tmp_path), 2)
+    assert balance["layers"] == ["0-4", "5-7"] and balance["balance"] > 0.99
+
+
 GPT2 = Problem(gpt2, lambda model, n: nobubble.split(model, n), tokens, lm_loss, logits)
 
 

@@ -204,6 +204,10 @@ def partition_balance(bench: RuntimeBench) -> dict[str, Any]:
     Layers are indivisible, so a split can be uneven; the lighter stages then idle for the
     difference whatever the schedule, and their utilization cannot pass this balance.
     """
+    if bench.model.startswith("hf:"):  # split by parameters: the balance is theirs
+        from nobubble.hf import split_balance
+
+        return split_balance(bench.model.removeprefix("hf:"), bench.stages)
     cfg = model_config(bench.model, bench.vocab_size, bench.seq_len)
     ranges = partition_layers(cfg, bench.stages, seq_len=bench.seq_len)
     rows = partition_rows(cfg, ranges, bench.seq_len)

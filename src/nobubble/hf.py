@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from nobubble.core.errors import MissingExtra
-from nobubble.splitting import balanced_cuts
+from nobubble.splitting import balanced_cuts, compute_cost
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = (*LLAMA_LIKE, "gpt2")
@@ -266,7 +266,7 @@ def _numel(module: nn.Module) -> int:
 
 def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> list[nn.Module]:
     """Cut a Hugging Face causal LM before the named blocks (``["model.layers.4"]``), or into
-    ``points`` stages that balance parameters (embedding on the first, head on the last)."""
+    ``points`` stages that balance their compute (embedding on the first, head on the last)."""
     prefix, blocks = _layout(model)
     n = len(blocks)
     names = [f"{prefix}.{i}" for i in range(n)]
@@ -276,10 +276,10 @@ def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> li
                 f"split into {points} stages, but the model has {n} blocks ({prefix}.0 .. "
                 f"{prefix}.{n - 1}): use 1 to {n} stages"
             )
+        # compute, not memory: a multiply-add per parameter and token, so the head's matmul
+        # counts on the last stage (tied or not) and the embedding, a lookup, counts nothing
         costs = [_numel(b) for b in blocks]
-        costs[0] += _numel(_embedding(model))
-        if tied_names(model) is None:
-            costs[-1] += model.lm_head.weight.numel()
+        costs[-1] += model.lm_head.weight.numel()
         starts = balanced_cuts(costs, points)
     else:
         if isinstance(points, int | str):
@@ -314,6 +314,25 @@ def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> li
     if tied is not None and num_stages > 1 and not untie:
         stages[-1].tied_parameters = {tied[1]: tied[0]}
     return stages
+
+
+def split_balance(path: str, num_stages: int) -> dict[str, Any]:
+    """The blocks per stage of ``split(model, num_stages)`` and the estimated balance of their
+    compute (lightest / heaviest): the parameters outside embeddings, each one multiply-add per
+    token (an embedding is a lookup; attention's T^2 term is left out). Built on a meta model,
+    so nothing is allocated whatever the model's size."""
+    transformers = require_transformers()
+    config = transformers.AutoConfig.from_pretrained(_folder(path), local_files_only=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    stages = split_hf(model, num_stages)
+    costs = [compute_cost(stage) for stage in stages]
+    ids = [getattr(stage, "layer_ids") for stage in stages]  # noqa: B009
+    return {
+        "layers": [f"{i[0]}-{i[-1]}" for i in ids],
+        "balance": min(costs) / max(costs),
+        "measure": "compute",
+    }
 
 
 def untie_embeddings(model: Any) -> None:

@@ -166,8 +166,10 @@ class Pipeline:
             ``nobubble.optim.OptimConfig`` (weight_decay, betas, momentum, ...).
         lr_schedule: ``factor(step)`` multiplying the learning rate at step index 0, 1, ...;
             None keeps it constant.
-        clip: the largest gradient norm, over all stages together (``clip_scope="stage"``: per
-            stage); None: no clipping.
+        clip: the largest gradient norm; None: no clipping. ``clip_scope``: "global" (the
+            whole model's norm, over all stages together), "stage" (each stage's own), or
+            "auto": global for the synchronous schedules, per stage for the asynchronous ones,
+            whose stages do not step together.
         correction: "none", "ef" (error feedback with ``ef_lambda``) or "sync-warmup" (the first
             ``sync_warmup`` steps flushed).
         dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
@@ -194,7 +196,7 @@ class Pipeline:
         optimizer_options: Mapping[str, Any] | None = None,
         lr_schedule: Callable[[int], float] | None = None,
         clip: float | None = None,
-        clip_scope: str = "global",
+        clip_scope: str = "auto",
         correction: str = "none",
         ef_lambda: float = 1.0,
         sync_warmup: int = 0,
@@ -248,8 +250,18 @@ class Pipeline:
             isinstance(clip, int | float) and math.isfinite(clip) and clip > 0
         ):
             raise ValueError(f"clip={clip!r} is not allowed: use a finite number > 0, or None")
-        if clip_scope not in ("global", "stage"):
-            raise ValueError(f"clip_scope={clip_scope!r} is unknown: use 'global' or 'stage'")
+        if clip_scope not in ("auto", "global", "stage"):
+            raise ValueError(
+                f"clip_scope={clip_scope!r} is unknown: use 'auto', 'global' or 'stage'"
+            )
+        if clip_scope == "global" and not info.synchronous:
+            raise ValueError(
+                f"clip_scope='global' would make the stages of the asynchronous {schedule} meet "
+                "before every step, which its order does not allow: use clip_scope='stage' (each "
+                "stage clips its own norm) or 'auto'"
+            )
+        if clip_scope == "auto":  # the whole model's norm where the stages step together
+            clip_scope = "global" if info.synchronous else "stage"
         self.global_clip = clip is not None and clip_scope == "global"
         self.ties = _find_ties(self.stages)
         # the stages meet before each step: for the global norm, or to add tied gradients

@@ -32,6 +32,15 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def compute_cost(module: nn.Module) -> int:
+    """A module's compute per token, estimated as one multiply-add per parameter outside
+    embeddings (a lookup costs nothing). What a balanced split balances."""
+    lookups = {
+        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    return sum(p.numel() for p in module.parameters() if id(p) not in lookups)
+
+
 def balanced_cuts(costs: Sequence[int], num_stages: int) -> list[int]:
     """Start index of every stage after the first: contiguous, non-empty stages whose largest
     total cost is the smallest possible (ties: the earliest cuts)."""
@@ -62,7 +71,7 @@ def split(model: nn.Module, points: Sequence[str] | int, *, untie: bool = False)
 
     ``points`` names the children before which a new stage begins (as torch's
     ``SplitPoint.BEGINNING``), e.g. ``["4", "8"]`` gives three stages; or it is the number of
-    stages, and the cut balances their parameter counts over the children.
+    stages, and the cut balances their compute over the children (``compute_cost``).
 
     A Hugging Face causal LM (``nobubble.hf``) is cut before its named blocks instead, e.g.
     ``["model.layers.4"]``; ``untie`` gives a head tied to the embedding its own copy.
@@ -81,7 +90,7 @@ def split(model: nn.Module, points: Sequence[str] | int, *, untie: bool = False)
                 f"split into {points} stages, but the model has {len(units)} children to cut "
                 f"between ({', '.join(names)}): use at most {len(units)} stages"
             )
-        starts = balanced_cuts([_numel(m) for _, m in units], points)
+        starts = balanced_cuts([compute_cost(m) for _, m in units], points)
     else:
         if isinstance(points, str) or not isinstance(points, Sequence):
             raise TypeError(

@@ -182,7 +182,8 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     part = conf["partition"]
     print(
         f"vocab {cfg.vocab_size}, {cfg.optimizer}; layers per stage {' | '.join(part['layers'])}, "
-        f"estimated stage-cost balance (lightest / heaviest) {part['balance']:.3f}: "
+        f"estimated stage-{part.get('measure', 'cost')} balance (lightest / heaviest) "
+        f"{part['balance']:.3f}: "
         "the lighter stages' utilization ceiling"
     )
     rows = []

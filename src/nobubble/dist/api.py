@@ -64,6 +64,25 @@ def join(num_stages: int, stages: Sequence[nn.Module]) -> int:
     return dist.get_rank()
 
 
+def release_others(stages: list[torch.nn.Module], rank: int) -> None:
+    """Free the weights of the stages other ranks run, keeping every tensor this rank's stage
+    shares with them (a Hugging Face model's stages share its rotary tables, for one)."""
+    own = stages[rank]
+    kept = {id(t) for t in [*own.parameters(), *own.buffers()]}
+    for s, stage in enumerate(stages):
+        if s == rank:
+            continue
+        for module in stage.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) not in kept:
+                    module._parameters[name] = torch.nn.Parameter(
+                        p.to("meta"), requires_grad=p.requires_grad
+                    )
+            for name, b in module._buffers.items():
+                if b is not None and id(b) not in kept:
+                    module._buffers[name] = b.to("meta")
+
+
 def _objects_group(device: torch.device) -> Any:
     """Pickled objects travel over gloo (on NCCL they would cross the GPU)."""
     return dist.new_group(backend="gloo") if device.type == "cuda" else None

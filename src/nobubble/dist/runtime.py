@@ -40,6 +40,7 @@ from nobubble.core.comm import check_communication
 from nobubble.core.ir import STEP, Action
 from nobubble.core.sim.metrics import measured_utilization
 from nobubble.core.viz import save_gantt, save_trace, trace_events
+from nobubble.dist.api import release_others
 from nobubble.dist.clock import CudaClock, HostClock
 from nobubble.dist.transport import StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
@@ -101,25 +102,6 @@ def _check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGro
         f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "
         "same flags"
     )
-
-
-def release_others(stages: list[torch.nn.Module], rank: int) -> None:
-    """Free the weights of the stages other ranks run, keeping every tensor this rank's stage
-    shares with them (a Hugging Face model's stages share its rotary tables, for one)."""
-    own = stages[rank]
-    kept = {id(t) for t in [*own.parameters(), *own.buffers()]}
-    for s, stage in enumerate(stages):
-        if s == rank:
-            continue
-        for module in stage.modules():
-            for name, p in module._parameters.items():
-                if p is not None and id(p) not in kept:
-                    module._parameters[name] = torch.nn.Parameter(
-                        p.to("meta"), requires_grad=p.requires_grad
-                    )
-            for name, b in module._buffers.items():
-                if b is not None and id(b) not in kept:
-                    module._buffers[name] = b.to("meta")
 
 
 class RankRun:

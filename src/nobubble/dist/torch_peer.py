@@ -37,14 +37,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nobubble.assemble import load_data, make_plan, make_stages
+from nobubble.assemble import load_data, make_model, make_plan
 from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
 from nobubble.data import TokenData
+from nobubble.dist.api import release_others
 from nobubble.dist.launch import _watch, free_port, rank_env
 from nobubble.dist.transport import shutdown
-from nobubble.model import StageModule
-from nobubble.model.gpt import lm_loss, run_layers
+from nobubble.model.gpt import lm_loss
 from nobubble.optim import (
     build_optimizer,
     clip_coefficient,
@@ -103,17 +103,20 @@ class ActivationMeter:
 
 
 class PeerStage(nn.Module):
-    """A StageModule's pieces under the same parameter names; the last stage returns logits."""
+    """A stage module (the internal GPT's or a Hugging Face model's) under torch's schedules,
+    its parameters under the same names; the last stage returns logits (torch applies the
+    loss), the others their hidden states in fp32."""
 
-    def __init__(self, stage: StageModule, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, stage: nn.Module, is_last: bool, autocast_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
-        self.cfg, self.is_first, self.is_last = stage.cfg, stage.is_first, stage.is_last
-        self.autocast_dtype = autocast_dtype
-        if stage.is_first:
-            self.embed = stage.embed
-        self.layers = stage.layers
-        if stage.is_last:
-            self.norm, self.head = stage.norm, stage.head
+        for name, child in stage.named_children():  # the same parameter names as the stage's
+            self.add_module(name, child)
+        for name, param in stage.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self.inner = [stage]  # a list: its modules are registered above, under their names
+        self.is_last, self.autocast_dtype = is_last, autocast_dtype
         self.meter = ActivationMeter([p for p in self.parameters()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,9 +130,8 @@ class PeerStage(nn.Module):
         counted = not x.is_meta and torch.is_grad_enabled()
         meter = self.meter.saving(new=True) if counted else contextlib.nullcontext()
         with autocast, meter:
-            h = self.embed(x) if self.is_first else x  # (B, T, D)
-            h = run_layers(self.layers, h, self.cfg)
-            out = self.head(self.norm(h)) if self.is_last else h.float()  # (B, T, V) or (B, T, D)
+            out = self.inner[0](x)  # (B, T, V) logits or (B, T, D) hidden states
+            out = out if self.is_last else out.float()
         if counted:
             out.register_hook(self.meter.release)
         return out
@@ -173,8 +175,17 @@ class PeerRun:
         self.data = load_data(self.cfg)
         plan = make_plan(self.cfg, self.data.vocab_size)
         autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
+        stages = make_model(plan).stages
+        if any(getattr(stage, "tied_parameters", None) for stage in stages):
+            raise ValueError(
+                f"--model {cfg.model} ties its input and output embeddings across stages, and "
+                "torch's schedules would update the two copies apart: add --untie-embeddings"
+            )
         # moved first: the meter tells weights from activations by storage
-        self.module = PeerStage(make_stages(plan)[self.rank].to(device), autocast)
+        stages[self.rank] = stages[self.rank].to(device)
+        release_others(stages, self.rank)
+        last = self.rank == self.world - 1
+        self.module = PeerStage(stages[self.rank], last, autocast)
         self.optim_cfg = self.cfg.optim_config()
         self.optimizer = build_optimizer(self.optim_cfg, list(self.module.named_parameters()))
         stage = PipelineStage(self.module, self.rank, self.world, device)
