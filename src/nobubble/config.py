@@ -136,12 +136,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
-        check_trainable(self.schedule)
+        _choice("runtime", self.runtime, RUNTIMES)
+        check_trainable(self.schedule, runtime=self.runtime)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("correction", self.correction, CORRECTIONS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("clip-scope", self.clip_scope, CLIP_SCOPES)
-        _choice("runtime", self.runtime, RUNTIMES)
         _choice("device", self.device, DEVICES)
         _choice("backend", self.backend, BACKENDS)
         if not self.is_hf:
