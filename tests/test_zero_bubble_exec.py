@@ -116,6 +116,15 @@ def test_on_the_internal_gpt_they_equal_plain_accumulation_bitwise(schedule, mod
     assert_bitwise(weights(pipe.stages), ref_weights)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_drains_pass_every_stage_of_a_rank(schedule):
+    """drain() runs each rank past all its stages' steps (two STEP actions per rank)."""
+    pipe, losses, _ = run_pipeline(SEQ, schedule, 4, 7, drain_every=3)
+    ref_losses, ref_weights = plain_accumulation(SEQ, 7)
+    assert losses == ref_losses
+    assert_bitwise(weights(pipe.stages), ref_weights)
+
+
 def test_global_clipping_meets_every_stage_of_every_rank():
     """The clip norm sums all v·P stages, two of them per rank here. The per-stage sum of
     squares reduces in another order than torch's clip_grad_norm_ (see test_emulator_oracles),

@@ -38,8 +38,8 @@ class Emulator:
     def _position_after_step(self, rank: int, step: int) -> int:
         if step == 0:
             return 0
-        order = self.schedule.ranks[rank]
-        return next(i + 1 for i, a in enumerate(order) if a.kind == STEP and a.number == step)
+        order = self.schedule.ranks[rank]  # past every stage's STEP of that number
+        return max(i + 1 for i, a in enumerate(order) if a.kind == STEP and a.number == step)
 
     def _ready(self, rank: int, action: Action) -> bool:
         if self.available is not None and not self.available(action):
