@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.func import functional_call
 from torch.nn import functional as F
 
 import nobubble
@@ -30,7 +32,7 @@ from nobubble.core.ir import Action, B, I, Schedule, W
 from nobubble.core.ledger import build_ledger
 from nobubble.core.schedules import build_schedule
 from nobubble.core.validate import validate
-from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interpreters
+from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interpreters, split
 from nobubble.model import build_model, lm_loss, model_config, split_model
 from nobubble.optim import NoCorrection
 from nobubble.pipeline import TorchOptimizer
@@ -210,6 +212,30 @@ def test_zb_h1_split_backward_gives_the_weights_of_the_fused_backward(problem):
     split = build_schedule("zb-h1", 2, 4, 3)
     assert split.split_backward and not fused(split).split_backward
     assert_bitwise(emulate(problem, split, 2), emulate(problem, fused(split), 2))
+
+
+def test_w_runs_no_activation_node_that_i_ran_except_the_boundaries():
+    """W re-enters the graph where the weights hang off the activation path and runs only
+    the weight side, on the first stage (token input) and on the last (loss) alike."""
+    for s, stage in enumerate(split_model(build_model(GPT_CFG, 0), 2)):
+        leaves = {n: p.detach().clone().requires_grad_() for n, p in stage.named_parameters()}
+        x, y = gpt_batch(0)
+        inputs = [] if s == 0 else [torch.randn(ROWS, 16, GPT_CFG.dim, requires_grad=True)]
+        out = functional_call(stage, leaves, (x if s == 0 else inputs[0],))
+        out = lm_loss(out, y) if s == 1 else out
+        summary = split._leaf_summaries([get_gradient_edge(out).node])
+        weight_nodes = {get_gradient_edge(w).node: i for i, w in enumerate(leaves.values())}
+        entered = {n for nodes, _ in split._groups(summary, weight_nodes) for n in nodes}
+        ran: list[str] = []
+        for node, reached in summary.items():
+            if reached is split._MANY and node not in entered:
+                node.register_hook(lambda *_, n=node, ran=ran: ran.append(n.name()))
+        grads = None if s == 1 else [torch.randn_like(out)]
+        _, work = split.input_backward([out], grads, inputs, list(leaves.values()))
+        assert ran, "I runs the activation path"
+        ran.clear()
+        split.weight_backward(work, list(leaves.values()))
+        assert ran == []
 
 
 # ----- bad inputs ----------------------------------------------------------------------------

@@ -13,7 +13,9 @@ of the weight, ...) or more than one leaf (activation-side; the stage input is a
 to the stage inputs and captures the gradient arriving at every boundary (autograd runs a
 boundary there only for its activation-side children, if at all); W re-enters the graph at the
 boundaries with those gradients. On the first stage, whose input takes no gradient, I thus
-carries the gradient down to the boundaries and W does the rest.
+carries the gradient down to the boundaries and W does the rest. A weight entered from several
+activation-side nodes (the embedding, read by every consumer of the residual stream) is entered
+below them instead, where its paths meet (see ``_groups``).
 
 W makes one autograd call per group of boundaries that share weights, with only the group's
 weights as inputs, so a call never re-runs the activation path towards another group's weights.
@@ -25,8 +27,10 @@ weight gradients are bitwise those of B.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -72,12 +76,36 @@ class WeightWork:
 def _groups(
     summary: dict[Node, object], weight_nodes: dict[Node, int]
 ) -> list[tuple[list[Node], list[int]]]:
-    """The boundaries, joined into groups that share weights, with each group's weights."""
-    boundaries = []
+    """Where W re-enters the graph, joined into groups that share weights, with each group's
+    weights.
+
+    A weight entered by one activation-side edge is entered at that edge's node, the boundary.
+    One entered by several (the first stage's embedding: every consumer of the residual stream
+    reads its output) is entered below them, at the top of the chain of weight-side nodes that
+    every path to it takes, with the sum of its gradients: W then never re-runs the activation
+    path between those consumers, and I pays only their shares of the activation gradient."""
+    entries: Counter[object] = Counter()  # weight -> activation-side edges into its side
+    parents: Counter[Node] = Counter()  # weight-side node -> edges into it
+    parent: dict[Node, Node] = {}
+    for node, reached in summary.items():
+        for child, _ in node.next_functions:
+            if child is None or summary[child] not in weight_nodes:
+                continue
+            parents[child] += 1
+            parent[child] = node
+            if reached is _MANY:
+                entries[summary[child]] += 1
+    boundaries: list[tuple[Node, list[int]]] = []
+    for leaf, count in entries.items():
+        if count > 1:
+            top = cast(Node, leaf)
+            while parents[top] == 1 and summary[parent[top]] is not _MANY:
+                top = parent[top]
+            boundaries.append((top, [weight_nodes[leaf]]))  # type: ignore[index]
     for node, reached in summary.items():
         if reached is _MANY:
             below = {summary[c] for c, _ in node.next_functions if c is not None}
-            weights = sorted(weight_nodes[b] for b in below if b in weight_nodes)
+            weights = sorted(weight_nodes[b] for b in below if entries.get(b) == 1)  # type: ignore[index]
             if weights:
                 boundaries.append((node, weights))
     root = list(range(len(weight_nodes)))  # union-find over weight indices
