@@ -74,7 +74,7 @@ def trained_parts(setup) -> list[dict]:
     cfg, _, plan = setup
     workers = workers_on(setup, torch.device("cpu"))
     transport = InProcessTransport(cfg.stages)
-    interpreters = [Interpreter(w, transport, cfg.stages) for w in workers]
+    interpreters = [Interpreter([w], transport, cfg.stages) for w in workers]
     Emulator(plan.schedule, interpreters, transport).run(cfg.steps)
     return [w.state_dict() for w in workers]
 

@@ -98,7 +98,7 @@ def emulate(
         loss_fn=lm_loss,
     )
     transport = InProcessTransport(num_stages)
-    interpreters = [Interpreter(w, transport, num_stages, global_clip) for w in workers]
+    interpreters = [Interpreter([w], transport, num_stages, global_clip) for w in workers]
     Emulator(schedule, interpreters, transport).run(num_steps)
     losses = workers[-1].pop_losses(range(schedule.total_microbatches))
     params = {n: p.detach().clone() for s in stages for n, p in s.named_parameters()}

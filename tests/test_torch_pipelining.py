@@ -162,7 +162,7 @@ def emulator_grads(cfg: TrainConfig, schedule: str) -> dict[str, torch.Tensor]:
         for module in make_stages(plan)
     ]
     transport = InProcessTransport(cfg.stages)
-    interpreters = [Interpreter(w, transport, cfg.stages, cfg.global_clip) for w in workers]
+    interpreters = [Interpreter([w], transport, cfg.stages, cfg.global_clip) for w in workers]
     Emulator(plan.schedule, interpreters, transport).run(1)
     return {n: g for w in workers for n, g in w.recorded.items()}
 

@@ -69,7 +69,7 @@ def _without_time(records):
     return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in records]
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "pipedream"])
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "pipedream", "zbv"])
 def test_resume_reproduces_the_uninterrupted_run_bitwise(corpus, tmp_path, schedule):
     kwargs = dict(schedule=schedule, optimizer="muon", sample_tokens=0)
     if schedule == "2bw":
@@ -133,6 +133,10 @@ def test_out_dir_holding_a_run_is_not_overwritten(corpus, tmp_path):
         (["--schedule", "2bw", "--stages", "4", "--microbatches", "2"], "2bw needs"),
         (["--schedule", "1f1b", "--correction", "ef"], "synchronous"),
         (["--schedule", "paci", "--clip-scope", "global"], "synchronize the stages"),
+        (["--schedule", "zbv", "--stages", "3"], "cuts the model into 6 stages (2 per rank"),
+        (["--schedule", "zb-h1", "--virtual-stages", "2"], "does not apply"),
+        (["--schedule", "interleaved-1f1b", "--microbatches", "5"], "equal rounds"),
+        (["--schedule", "zbv", "--runtime", "dist"], "runtime does not run"),
     ],
 )
 def test_bad_train_flags_fail_before_any_work(capsys, tmp_path, flags, message):

@@ -72,6 +72,7 @@ def make_schedule(cfg: TrainConfig) -> Schedule:
         drain_every=drain,
         sync_warmup=cfg.sync_warmup_steps,
         max_actions=None,
+        virtual_stages=cfg.virtual_stages,
     )
     validate(schedule)
     return schedule
@@ -83,7 +84,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
         check_hf_vocab(cfg, vocab_size)
         return Plan(cfg, schedule, build_ledger(schedule), None, [])
     model_cfg = model_config(cfg.model, vocab_size, cfg.seq_len)
-    ranges = partition_layers(model_cfg, cfg.stages, seq_len=cfg.seq_len)
+    ranges = partition_layers(model_cfg, schedule.num_stages, seq_len=cfg.seq_len)  # v·P
     return Plan(cfg, schedule, build_ledger(schedule), model_cfg, ranges)
 
 
@@ -120,7 +121,7 @@ def make_model(plan: Plan) -> Model:
 
     cfg = plan.cfg
     whole = load_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
-    stages = split(whole, cfg.stages, untie=cfg.untie_embeddings)
+    stages = split(whole, cfg.model_stages, untie=cfg.untie_embeddings)
     ids: list[tuple[int, ...]] = [getattr(s, "layer_ids") for s in stages]  # noqa: B009
     ranges = [range(i[0], i[-1] + 1) for i in ids]
     num_params = sum(p.numel() for p in whole.parameters())
@@ -164,10 +165,10 @@ def make_stages(plan: Plan) -> list[StageModule]:
         "model %s: %.2fM parameters, split over %d stages:\n%s",
         plan.cfg.model,
         plan.model_cfg.num_params() / 1e6,
-        plan.cfg.stages,
+        plan.schedule.num_stages,
         describe_partition(plan.model_cfg, plan.layer_ranges, seq_len=plan.cfg.seq_len),
     )
-    return split_model(model, plan.cfg.stages, plan.layer_ranges)
+    return split_model(model, plan.schedule.num_stages, plan.layer_ranges)
 
 
 def make_correction(cfg: TrainConfig) -> DelayCorrection:
@@ -183,6 +184,7 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate")
         list(stages),
         lm_loss,
         schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
         microbatches=cfg.microbatches,
         accum=cfg.accum,
         optimizer=cfg.optimizer,

@@ -17,8 +17,13 @@ from typing import Any
 import torch
 
 from nobubble.core.ledger import build_ledger
-from nobubble.core.schedules import build_schedule, check_trainable, schedule_info
-from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
+from nobubble.core.schedules import (
+    build_schedule,
+    check_trainable,
+    resolve_virtual_stages,
+    schedule_info,
+)
+from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interpreters
 from nobubble.model import build_model, lm_loss, model_config, partition_layers, split_model
 from nobubble.optim import NoCorrection, OptimConfig, build_optimizer
 
@@ -85,9 +90,9 @@ def plain_steps(cfg: EmulatorBench) -> list[float]:
 
 def emulator_steps(cfg: EmulatorBench, name: str) -> list[float]:
     mcfg = model_config(cfg.model, cfg.vocab_size, cfg.seq_len)
-    ranges = partition_layers(mcfg, cfg.stages, seq_len=cfg.seq_len)
-    stages = split_model(build_model(mcfg, cfg.seed), cfg.stages, ranges)
     schedule = build_schedule(name, cfg.stages, cfg.microbatches, cfg.steps)
+    ranges = partition_layers(mcfg, schedule.num_stages, seq_len=cfg.seq_len)  # v·P stages
+    stages = split_model(build_model(mcfg, cfg.seed), schedule.num_stages, ranges)
     ledger = build_ledger(schedule)
     ocfg = OptimConfig(name=cfg.optimizer, clip_norm=None)
     batch = _batches(cfg)
@@ -104,10 +109,8 @@ def emulator_steps(cfg: EmulatorBench, name: str) -> list[float]:
         )
         for s, m in enumerate(stages)
     ]
-    transport = InProcessTransport(cfg.stages)
-    emulator = Emulator(
-        schedule, [Interpreter(w, transport, cfg.stages, record=False) for w in workers], transport
-    )
+    transport = InProcessTransport(schedule.num_stages)
+    emulator = Emulator(schedule, rank_interpreters(schedule, workers, transport), transport)
     return _time_steps(lambda j: emulator.run(j + 1), cfg.steps)
 
 
@@ -116,8 +119,9 @@ def api_steps(cfg: EmulatorBench, name: str) -> list[float]:
     from nobubble.pipeline import Pipeline
 
     mcfg = model_config(cfg.model, cfg.vocab_size, cfg.seq_len)
-    ranges = partition_layers(mcfg, cfg.stages, seq_len=cfg.seq_len)
-    stages = split_model(build_model(mcfg, cfg.seed), cfg.stages, ranges)
+    num_stages = cfg.stages * resolve_virtual_stages(name, None)
+    ranges = partition_layers(mcfg, num_stages, seq_len=cfg.seq_len)
+    stages = split_model(build_model(mcfg, cfg.seed), num_stages, ranges)
     pipe = Pipeline(
         list(stages),
         lm_loss,

@@ -23,6 +23,7 @@ from nobubble.core.schedules import (
     SCHEDULES,
     check_trainable,
     resolve_microbatches,
+    resolve_virtual_stages,
 )
 from nobubble.core.util import physical_memory_bytes
 from nobubble.data import DataConfig
@@ -68,7 +69,9 @@ class TrainConfig:
     schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion.
     correction: none | ef (update-level error feedback, ``ef_lambda``) | sync-warmup
         (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
-    stages: pipeline stages P. microbatches: M per step. accum: ``a`` of pipedream/paci.
+    stages: pipeline ranks P (the stages too, but for interleaved-1f1b and zbv).
+    virtual_stages: interleaved-1f1b's stages per rank v (default 2); the model is cut into
+        v·P stages (zbv: 2P). microbatches: M per step. accum: ``a`` of pipedream/paci.
     micro_batch_size: sequences per micro-batch. steps: optimizer steps. lr: peak learning rate.
     clip: gradient-norm clip (0 disables). clip_scope: auto (global for synchronous schedules,
         per stage for asynchronous ones, which must not synchronize stages) | stage | global.
@@ -98,6 +101,7 @@ class TrainConfig:
     ef_lambda: float = 1.0
     sync_warmup: int = 0
     stages: int = 2
+    virtual_stages: int | None = None
     microbatches: int = 4
     accum: int | None = None
     micro_batch_size: int = 8
@@ -136,12 +140,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
-        check_trainable(self.schedule)
+        _choice("runtime", self.runtime, RUNTIMES)
+        check_trainable(self.schedule, runtime=self.runtime)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("correction", self.correction, CORRECTIONS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("clip-scope", self.clip_scope, CLIP_SCOPES)
-        _choice("runtime", self.runtime, RUNTIMES)
         _choice("device", self.device, DEVICES)
         _choice("backend", self.backend, BACKENDS)
         if not self.is_hf:
@@ -169,6 +173,7 @@ class TrainConfig:
             _positive(name, getattr(self, name), minimum=0)
         if self.accum is not None:
             _positive("accum", self.accum)
+        resolve_virtual_stages(self.schedule, self.virtual_stages)  # a v that does not apply
         for name in ("clip", "ef_lambda", "dist_timeout"):
             _finite_nonnegative(name, getattr(self, name))
         _check_port(self.master_port)
@@ -189,11 +194,16 @@ class TrainConfig:
                     "--untie-embeddings applies to Hugging Face models (--model hf:PATH); "
                     f"{self.model} has an untied head already"
                 )
-        if self.stages > n_layers:
+        if self.model_stages > n_layers:
+            per_rank = self.model_stages // self.stages
+            cut = f" ({per_rank} per rank under {self.schedule})" if per_rank > 1 else ""
             raise ValueError(
-                f"--stages {self.stages} is more than the {n_layers} layers of model "
-                f"{self.model!r}: use --stages {n_layers} or fewer, or a larger --model"
+                f"--stages {self.stages} cuts the model into {self.model_stages} stages{cut}, "
+                f"more than the {n_layers} layers of model {self.model!r}: use --stages "
+                f"{max(1, n_layers // per_rank)} or fewer, or a deeper --model"
             )
+        if info.check is not None:  # the schedule's own preconditions on (P, M, v)
+            info.check(self.stages, self.num_microbatches, self.model_stages // self.stages)
         if self.accum is not None and not info.uses_accum:
             raise ValueError(
                 f"--accum applies to pipedream and paci, not {self.schedule}; use --microbatches"
@@ -292,7 +302,13 @@ class TrainConfig:
         seq_len = seq_len or self.seq_len
         model = model_config(self.model, self.model_vocab_size, seq_len)
         return stage_loads(
-            model, self.schedule, self.stages, self.num_microbatches, self.steps, seq_len
+            model,
+            self.schedule,
+            self.stages,
+            self.num_microbatches,
+            self.steps,
+            seq_len,
+            self.model_stages // self.stages,
         )
 
     def memory_bytes(self, seq_len: int | None = None, micro_batch_size: int | None = None) -> int:
@@ -317,6 +333,11 @@ class TrainConfig:
         if self.runtime == "dist" and local.isdigit():
             return max(1, min(int(local), self.stages))
         return self.stages
+
+    @property
+    def model_stages(self) -> int:
+        """The stages the model is cut into: v·P, or P with one stage per rank."""
+        return self.stages * resolve_virtual_stages(self.schedule, self.virtual_stages)
 
     @property
     def num_microbatches(self) -> int:

@@ -22,12 +22,12 @@ def load_run_model(run_dir: Path) -> tuple[Any, list[Any], int]:
             "Face models, trained with --model hf:PATH"
         )
     manifest = read_manifest(run_dir)  # checked before the model is built
-    parts = [load_part(run_dir, manifest, s) for s in range(cfg.stages)]
+    parts = [load_part(run_dir, manifest, s) for s in range(cfg.model_stages)]
     from nobubble.hf import load_model
     from nobubble.splitting import split
 
     model = load_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
-    stages = split(model, cfg.stages, untie=cfg.untie_embeddings)
+    stages = split(model, cfg.model_stages, untie=cfg.untie_embeddings)
     for stage, part in zip(stages, parts, strict=True):
         stage.load_state_dict(part["module"])
     return model, stages, int(manifest["step"])

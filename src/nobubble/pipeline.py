@@ -24,17 +24,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from nobubble.core.ir import STEP, Action, Schedule
+from nobubble.core.ir import STEP, Action, Schedule, ScheduleError
 from nobubble.core.ledger import Ledger, build_ledger
 from nobubble.core.schedules import (
     SCHEDULES,
     build_schedule,
     check_trainable,
     resolve_microbatches,
+    resolve_virtual_stages,
     schedule_info,
 )
 from nobubble.core.validate import validate
-from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
+from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interpreters
 from nobubble.exec.tree import Tree
 from nobubble.exec.worker import Tie
 from nobubble.optim import (
@@ -152,9 +153,13 @@ class Pipeline:
     Arguments (keywords after ``loss_fn``):
         stages: the stage modules, in order; stage s's output is stage s+1's input (a tensor
             is passed as the one argument, a tuple as positional and a dict as keyword ones).
+            One per rank, except for interleaved-1f1b (v per rank: v·P modules for P ranks)
+            and zbv (2 per rank in a V: 2P modules).
         loss_fn: ``loss_fn(outputs, targets)``, the scalar loss of one micro-batch, on the last
             stage. The pipeline averages it over the micro-batches of a step.
-        schedule: one of ``nobubble.SCHEDULES`` (gpipe, 1f1b, pipedream, 2bw, paci).
+        schedule: one of ``nobubble.SCHEDULES`` (gpipe, 1f1b, pipedream, 2bw, paci, and the
+            synchronous interleaved-1f1b, zb-h1 and zbv, which the emulator runs).
+        virtual_stages: interleaved-1f1b's stages per rank, v (default 2; zbv's is 2).
         microbatches: micro-batches per optimizer step, M. ``accum`` sets the accumulation
             factor of pipedream and paci instead (their M; default 1 and M).
         optimizer: a name (adamw, muon, nadam, lion; muon routes the 2-D hidden matrices to Muon
@@ -189,6 +194,7 @@ class Pipeline:
         loss_fn: LossFn,
         *,
         schedule: str = "1f1b",
+        virtual_stages: int | None = None,
         microbatches: int = 4,
         accum: int | None = None,
         optimizer: str | OptimizerFactory = "adamw",
@@ -216,17 +222,19 @@ class Pipeline:
             raise TypeError(f"loss_fn must be callable(outputs, targets), got {loss_fn!r}")
         self.loss_fn = loss_fn
         info = schedule_info(schedule)
-        check_trainable(schedule, f"schedule={schedule!r}")
-        self.schedule_name = schedule
-        self.num_stages = len(self.stages)
-        self.microbatches = resolve_microbatches(schedule, microbatches, accum)
-        self.accum = accum
         if runtime not in RUNTIMES:
             raise ValueError(
                 f"runtime={runtime!r} is unknown: use 'emulate' (every stage in this process) "
                 "or 'dist' (one process per stage, e.g. under torchrun)"
             )
+        check_trainable(schedule, f"schedule={schedule!r}", runtime)
         self.runtime = runtime
+        self.schedule_name = schedule
+        self.num_stages = len(self.stages)  # v·P: the schedule's stages
+        self.virtual_stages = resolve_virtual_stages(schedule, virtual_stages)
+        self.num_ranks = _num_ranks(schedule, self.num_stages, self.virtual_stages)
+        self.microbatches = resolve_microbatches(schedule, microbatches, accum)
+        self.accum = accum
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0")
         self.timeout = float(timeout)
@@ -279,7 +287,13 @@ class Pipeline:
 
         # the first horizon; generating it checks the integers (P, M) with the generator's errors
         self.drains: list[int] = []  # steps after which drain() was called
-        self.schedule, self.ledger = self._generate(FIRST_HORIZON)
+        try:
+            self.schedule, self.ledger = self._generate(FIRST_HORIZON)
+        except ScheduleError as err:
+            raise ValueError(
+                f"schedule={schedule!r} on {self.num_ranks} ranks with microbatches="
+                f"{self.microbatches}: {err}"
+            ) from None
         self.transport = InProcessTransport(self.num_stages)
         self.rank = None if runtime == "emulate" else _dist().join(self.num_stages, self.stages)
         self.local = list(range(self.num_stages)) if self.rank is None else [self.rank]
@@ -355,13 +369,14 @@ class Pipeline:
             steps = min(steps, self.total_steps)
         schedule = build_schedule(
             self.schedule_name,
-            self.num_stages,
+            self.num_ranks,
             self.microbatches,
             steps,
             self.microbatches if SCHEDULES[self.schedule_name].uses_accum else None,
             sync_warmup=min(self.sync_warmup, steps),
             max_actions=None,
             drain_at=self.drains,
+            virtual_stages=self.virtual_stages,
         )
         validate(schedule)
         return schedule, build_ledger(schedule)
@@ -379,16 +394,7 @@ class Pipeline:
         return batch < self.fed
 
     def _emulator(self, start_step: int) -> Emulator:
-        interpreters = [
-            Interpreter(
-                w,
-                self.transport,
-                self.num_stages,
-                self.meets,
-                record=False,
-            )
-            for w in self.workers
-        ]
+        interpreters = rank_interpreters(self.schedule, self.workers, self.transport, self.meets)
         emulator = Emulator(self.schedule, interpreters, self.transport, start_step=start_step)
         emulator.available = self._available
         emulator.on_step = self._on_step
@@ -398,7 +404,7 @@ class Pipeline:
         """Go on under the schedule of ``steps`` steps (longer, or cut at the feed)."""
         schedule, ledger = self._generate(steps)
         done = self.emulator.pointer
-        for r in range(self.num_stages):
+        for r in range(len(done)):
             if schedule.ranks[r][: done[r]] != self.schedule.ranks[r][: done[r]]:
                 raise RuntimeError(
                     f"the {steps}-step {self.schedule_name} schedule does not begin with the "
@@ -627,6 +633,20 @@ def _dist() -> Any:
     from nobubble.dist import api
 
     return api
+
+
+def _num_ranks(schedule: str, num_stages: int, virtual: int) -> int:
+    """P, the ranks ``num_stages`` stage modules make under ``schedule`` (v stages per rank)."""
+    if num_stages % virtual == 0:
+        return num_stages // virtual
+    fit = ", ".join(str(virtual * p) for p in range(1, 4))
+    what = "virtual_stages" if schedule == "interleaved-1f1b" else "stages per rank"
+    raise ValueError(
+        f"schedule={schedule!r} places {virtual} stages on each rank ({what}={virtual}), so it "
+        f"needs a multiple of {virtual} stage modules, got {num_stages}: split the model into "
+        f"{fit}, ... stages"
+        + (", or set virtual_stages to a divisor of it" if schedule == "interleaved-1f1b" else "")
+    )
 
 
 def _find_ties(stages: list[nn.Module]) -> list[Tie]:

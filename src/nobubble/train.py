@@ -206,7 +206,7 @@ class Trainer:
         self.pipe = make_pipeline(self.plan, self.model.stages)
         self.workers = self.pipe.workers
         if manifest is not None:
-            parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.stages)]
+            parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.model_stages)]
             self.pipe.load_stage_parts(self.start_step, parts)
         self.step_losses: dict[int, list[float]] = {}
         self.result = RunResult(self.run_dir)
@@ -262,7 +262,7 @@ class Trainer:
         finalize(
             self.run_dir,
             step,
-            self.cfg.stages,
+            self.cfg.model_stages,
             self.cfg.fingerprint(),
             {"elapsed_s": self.pending["elapsed_s"]},
         )

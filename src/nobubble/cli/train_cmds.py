@@ -19,6 +19,7 @@ HELP = {
     "correction": "none | ef (update-level error feedback) | sync-warmup",
     "ef_lambda": "error-feedback lambda (default 1)",
     "sync_warmup": "synchronous steps first with --correction sync-warmup (0: 10%% of --steps)",
+    "virtual_stages": "stages per rank v of interleaved-1f1b (default 2; zbv: 2)",
     "accum": "accumulation factor a of pipedream (default 1) and paci (default --microbatches)",
     "clip": "gradient-norm clip, 0 disables",
     "clip_scope": "auto (global for sync, per stage for async) | stage | global",
@@ -71,7 +72,7 @@ def build_train_parser() -> argparse.ArgumentParser:
         kind: Any = {"int": int, "float": float, "bool": _parse_bool}.get(
             type(default).__name__, str
         )
-        if f.name == "accum":
+        if f.name in ("accum", "virtual_stages"):
             kind = int
         if f.name == "progress":
             p.add_argument(

@@ -314,7 +314,7 @@ class RankRunner:
         )
         clock = {"clock": options["clock"]} if "clock" in options else {}
         self.interpreter = Interpreter(
-            worker,
+            [worker],
             self.transport,
             self.num_stages,
             self.pipe.meets,

@@ -96,7 +96,7 @@ def rank_main(args: argparse.Namespace) -> None:
     worker = WaitWorker(schedule, rank, args.fwd, args.bwd)
     batches = check_communication(schedule)[rank]
     transport = DistTransport(batches, TOKEN, torch.float32, torch.device("cpu"), world)
-    interp = Interpreter(worker, transport, world, clock=time.time)  # type: ignore[arg-type]
+    interp = Interpreter([worker], transport, world, clock=time.time)  # type: ignore[list-item]
     dist.barrier()
     for action in schedule.ranks[rank]:
         interp.execute(action)

@@ -9,7 +9,7 @@ from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import Ledger
-from nobubble.exec.emulator import Emulator
+from nobubble.exec.emulator import Emulator, rank_interpreters
 from nobubble.exec.interpreter import Interpreter
 from nobubble.exec.transport import InProcessTransport, Transport
 from nobubble.exec.versions import WeightVersions, alias
@@ -27,6 +27,7 @@ __all__ = [
     "alias",
     "build_workers",
     "misplaced",
+    "rank_interpreters",
 ]
 
 

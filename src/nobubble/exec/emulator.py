@@ -8,12 +8,13 @@ those of the multi-process runtime, whatever the interleaving.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from nobubble.core.deps import remote_dependency
 from nobubble.core.ir import STEP, Action, Schedule
 from nobubble.exec.interpreter import Interpreter
 from nobubble.exec.transport import InProcessTransport
+from nobubble.exec.worker import StageWorker
 
 
 class Emulator:
@@ -37,17 +38,17 @@ class Emulator:
     def _position_after_step(self, rank: int, step: int) -> int:
         if step == 0:
             return 0
-        order = self.schedule.ranks[rank]
-        return next(i + 1 for i, a in enumerate(order) if a.kind == STEP and a.number == step)
+        order = self.schedule.ranks[rank]  # past every stage's STEP of that number
+        return max(i + 1 for i, a in enumerate(order) if a.kind == STEP and a.number == step)
 
-    def _ready(self, action: Action) -> bool:
+    def _ready(self, rank: int, action: Action) -> bool:
         if self.available is not None and not self.available(action):
             return False
         if action.kind == STEP:
-            global_clip = self.interpreters[action.stage].global_clip
+            global_clip = self.interpreters[rank].global_clip
             return not global_clip or self.transport.reduce_ready(action.number)
         source = remote_dependency(action, self.schedule.num_stages)
-        return source is None or self.transport.has(source)
+        return source is None or self.interpreters[rank].holds(source) or self.transport.has(source)
 
     def run(self, until_step: int) -> None:
         """Run every rank through its STEP ``until_step`` (a drain point, or the last step)."""
@@ -69,7 +70,7 @@ class Emulator:
             rank = pending.pop()
             queued[rank] = False
             order, i, advanced = self.schedule.ranks[rank], self.pointer[rank], False
-            while i < stop[rank] and self._ready(order[i]):
+            while i < stop[rank] and self._ready(rank, order[i]):
                 self.interpreters[rank].execute(order[i])
                 if order[i].kind == STEP and self.on_step is not None:
                     self.on_step(order[i])
@@ -80,3 +81,24 @@ class Emulator:
                     if not queued[other] and self.pointer[other] < stop[other]:
                         queued[other] = True
                         pending.append(other)
+
+
+def rank_interpreters(
+    schedule: Schedule,
+    workers: Sequence[StageWorker],
+    transport: InProcessTransport,
+    global_clip: bool = False,
+    record: bool = False,
+) -> list[Interpreter]:
+    """One interpreter per rank of ``schedule``, holding that rank's stages (``workers`` are
+    indexed by stage)."""
+    return [
+        Interpreter(
+            [workers[s] for s in schedule.placement.stages_of(r)],
+            transport,
+            schedule.num_stages,
+            global_clip,
+            record=record,
+        )
+        for r in range(schedule.num_ranks)
+    ]

@@ -20,6 +20,7 @@ from torch.func import functional_call
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
+from nobubble.exec.split import WeightWork, input_backward, weight_backward
 from nobubble.exec.tree import (
     BoundarySpec,
     Tree,
@@ -122,6 +123,16 @@ class Saved:
     activation_bytes: int  # autograd's saved tensors (the stage input alone when recomputing)
 
 
+@dataclass
+class Pending:
+    """What a split backward's I leaves for its W."""
+
+    weights: list[torch.Tensor]  # the alias leaves the graph was built on
+    work: WeightWork
+    held: list[torch.Tensor]  # the output and input gradients, which W must not adopt
+    activation_bytes: int
+
+
 def accumulate_grads(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -193,6 +204,7 @@ class StageWorker:
         self.device = self.named[0][1].device
         self.versions = WeightVersions(self.named, schedule, ledger)
         self.saved: dict[int, Saved] = {}
+        self.pending: dict[int, Pending] = {}  # split backward: I ran, W not yet
         self.backwards_in_batch = 0
         # micro-batch -> loss (last stage only), kept as a device tensor until a drain point reads
         # it: a float() per micro-batch would stall a GPU's queue once per micro-batch
@@ -335,14 +347,17 @@ class StageWorker:
             return self.loss_fn(out, self._to_device(targets))
 
     def _track_memory(self) -> None:
-        self.peak_saved = max(self.peak_saved, len(self.saved))
+        """Micro-batches held for backward: saved for B or I, or waiting for their W."""
+        self.peak_saved = max(self.peak_saved, len(self.saved) + len(self.pending))
         held = sum(s.activation_bytes for s in self.saved.values())
+        held += sum(p.activation_bytes for p in self.pending.values())
         self.peak_activation_bytes = max(self.peak_activation_bytes, held)
 
     # ----- backward ------------------------------------------------------------------------
-    def backward(self, m: int, grad_out: Tree | None) -> Tree | None:
-        """Backward of micro-batch m; return the gradient for the previous stage (or None)."""
-        saved = self.saved.pop(m)
+    def _graph(
+        self, m: int, saved: Saved, grad_out: Tree | None
+    ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor], list[torch.Tensor] | None]:
+        """The weights, outputs and output gradients micro-batch m's backward starts from."""
         version = self.ledger.bwd_version[m]
         if self.recompute:  # rebuild the graph with the weights current now (live weights)
             weights = self.versions.get(version)
@@ -353,13 +368,17 @@ class StageWorker:
             assert saved.output is not None
             weights, out = saved.weights, saved.output
         if self.is_last:
-            outputs, grad_outputs = [out], None
-        else:
-            assert grad_out is not None, f"stage {self.stage} got no gradient for {m}"
-            grad_list = unpack_grads(grad_out)
-            for g in grad_list:
-                expect_device(g, self.device, f"the gradient of micro-batch {m}")
-            outputs, grad_outputs = differentiable(out), grad_list
+            return weights, [out], None
+        assert grad_out is not None, f"stage {self.stage} got no gradient for {m}"
+        grad_list = unpack_grads(grad_out)
+        for g in grad_list:
+            expect_device(g, self.device, f"the gradient of micro-batch {m}")
+        return weights, differentiable(out), grad_list
+
+    def backward(self, m: int, grad_out: Tree | None) -> Tree | None:
+        """Backward of micro-batch m; return the gradient for the previous stage (or None)."""
+        saved = self.saved.pop(m)
+        weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
         leaves = list(weights.values())
         input_leaves = [] if self.is_first else differentiable(saved.inputs)
         grads = torch.autograd.grad(
@@ -372,10 +391,33 @@ class StageWorker:
         params = [p for _, p in self.named]
         held = [*(grad_outputs or []), *grads_in]
         accumulate_grads(params, grads[len(input_leaves) :], held)
-        if self.schedule.backward_rule == "stashed":
-            self.versions.consumed(version)
+        self._backward_done(m)
         self.backwards_in_batch += 1
         return pack_grads(grads_in) if grads_in else None
+
+    def backward_input(self, m: int, grad_out: Tree | None) -> Tree | None:
+        """I, the first half of a split backward: the gradient for the previous stage (None
+        on the first stage); what W needs stays in ``pending`` (``exec.split``)."""
+        saved = self.saved.pop(m)
+        weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
+        leaves = list(weights.values())
+        input_leaves = [] if self.is_first else differentiable(saved.inputs)
+        grads_in, work = input_backward(outputs, grad_outputs, input_leaves, leaves)
+        held = [*(grad_outputs or []), *grads_in]  # what B's accumulation keeps apart too
+        self.pending[m] = Pending(leaves, work, held, saved.activation_bytes)
+        self._backward_done(m)
+        return pack_grads(grads_in) if grads_in else None
+
+    def backward_weight(self, m: int) -> None:
+        """W, the second half: micro-batch m's weight gradients, accumulated as B's are."""
+        pending = self.pending.pop(m)
+        grads = weight_backward(pending.work, pending.weights)
+        accumulate_grads([p for _, p in self.named], grads, pending.held)
+        self.backwards_in_batch += 1
+
+    def _backward_done(self, m: int) -> None:
+        if self.schedule.backward_rule == "stashed":
+            self.versions.consumed(self.ledger.bwd_version[m])
 
     def pop_losses(self, micro_batches: Iterable[int]) -> list[float]:
         """The losses of ``micro_batches`` as floats (one host sync for all of them)."""

@@ -75,15 +75,17 @@ def stage_loads(
     num_microbatches: int,
     num_steps: int,
     seq_len: int,
+    virtual: int = 1,
 ) -> list[StageLoad]:
-    """Each stage's load under ``schedule`` with the default split (``partition_layers``)."""
-    ranges = partition_layers(cfg, num_stages, seq_len=seq_len)
+    """Each stage's load under ``schedule`` with the default split (``partition_layers``):
+    ``num_stages`` is P, the ranks, each holding ``virtual`` stages."""
+    ranges = partition_layers(cfg, virtual * num_stages, seq_len=seq_len)
     rows = partition_rows(cfg, ranges, seq_len=seq_len)
     return [
         StageLoad(
             num_layers=len(layers),
             is_first=s == 0,
-            is_last=s == num_stages - 1,
+            is_last=s == len(ranges) - 1,
             params=row["params"],
             inflight=peak_inflight(schedule, num_stages, num_microbatches, num_steps, s),
             versions=peak_versions(schedule, num_stages, num_microbatches, s),

@@ -81,15 +81,19 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
-# What the executor (emulator and runtime) trains: one stage per rank, fused backward. The
-# others exist for the schedule tools (validate, simulate, timelines) until it runs them.
-TRAINABLE = tuple(n for n, i in SCHEDULES.items() if i.placement == "one" and not i.split_backward)
+# What training runs: the emulator runs every schedule; the multi-process runtime one stage per
+# rank with a fused backward (its message plan cannot order an interleaved or V pipeline yet).
+TRAINABLE = SCHEDULE_NAMES
+DIST_TRAINABLE = tuple(
+    n for n, i in SCHEDULES.items() if i.placement == "one" and not i.split_backward
+)
 
 
-def check_trainable(name: str, what: str | None = None) -> None:
-    """Refuse a schedule the executor cannot run yet, naming what it lacks and what works."""
+def check_trainable(name: str, what: str | None = None, runtime: str = "emulate") -> None:
+    """Refuse a schedule the given runtime cannot train yet, naming what it lacks and what
+    works (``runtime``: "emulate", every stage in one process, or "dist")."""
     info = schedule_info(name)
-    if name in TRAINABLE:
+    if name in (TRAINABLE if runtime != "dist" else DIST_TRAINABLE):
         return
     lacks = []
     if info.split_backward:
@@ -97,8 +101,9 @@ def check_trainable(name: str, what: str | None = None) -> None:
     if info.placement != "one":
         lacks.append("several stages per rank")
     raise ScheduleError(
-        f"{what or '--schedule ' + name}: training does not run {' or '.join(lacks)} yet "
-        "(`nobubble show`, `ledger` and `simulate` do); train with one of " + ", ".join(TRAINABLE)
+        f"{what or '--schedule ' + name}: the multi-process runtime does not run "
+        f"{' or '.join(lacks)} yet; train it with the emulator (runtime 'emulate', "
+        "`--runtime emulate`), or use one of " + ", ".join(DIST_TRAINABLE) + " with 'dist'"
     )
 
 
