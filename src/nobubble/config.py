@@ -196,11 +196,16 @@ class TrainConfig:
                 )
         if self.model_stages > n_layers:
             per_rank = self.model_stages // self.stages
-            cut = f" ({per_rank} per rank under {self.schedule})" if per_rank > 1 else ""
+            cut = (
+                f" cuts the model into {self.model_stages} stages ({per_rank} per rank under "
+                f"{self.schedule}), which"
+                if per_rank > 1
+                else ""
+            )
             raise ValueError(
-                f"--stages {self.stages} cuts the model into {self.model_stages} stages{cut}, "
-                f"more than the {n_layers} layers of model {self.model!r}: use --stages "
-                f"{max(1, n_layers // per_rank)} or fewer, or a deeper --model"
+                f"--stages {self.stages}{cut} is more than the {n_layers} layers of model "
+                f"{self.model!r}: use --stages {max(1, n_layers // per_rank)} or fewer, or a "
+                "deeper --model"
             )
         if info.check is not None:  # the schedule's own preconditions on (P, M, v)
             info.check(self.stages, self.num_microbatches, self.model_stages // self.stages)
