@@ -24,7 +24,7 @@ from nobubble.dist.launch import free_port
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
 STEPS, DRAIN = 6, 3
-SCHEDULES = ["gpipe", "1f1b", "pipedream", "2bw", "paci"]
+SCHEDULES = ["gpipe", "1f1b", "pipedream", "2bw", "paci", "zb-h1"]
 
 RANK_SCRIPT = """
 import json, sys, torch

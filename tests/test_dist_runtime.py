@@ -118,7 +118,7 @@ def emulated(corpus, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "2bw", "paci"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream", "2bw", "paci", "zb-h1"])
 def test_dist_matches_the_emulator_bitwise(dist_run, emulated, schedule):
     assert_equivalent(dist_run(schedule, 2), emulated(schedule, 2), stages=2)
 

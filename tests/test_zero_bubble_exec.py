@@ -262,7 +262,7 @@ def test_microbatches_that_do_not_fit_the_schedule_are_refused_with_the_fix():
         nobubble.Pipeline(four, loss_fn, schedule="interleaved-1f1b", microbatches=5)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h1", "zbv"])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
 def test_the_multi_process_runtime_refuses_them_and_names_the_emulator(schedule):
     modules = nobubble.split(make_model(), CUTS[4])
     with pytest.raises(ValueError, match=rf"schedule='{schedule}': the multi-process runtime"):

@@ -158,7 +158,8 @@ class Pipeline:
         loss_fn: ``loss_fn(outputs, targets)``, the scalar loss of one micro-batch, on the last
             stage. The pipeline averages it over the micro-batches of a step.
         schedule: one of ``nobubble.SCHEDULES`` (gpipe, 1f1b, pipedream, 2bw, paci, and the
-            synchronous interleaved-1f1b, zb-h1 and zbv, which the emulator runs).
+            synchronous interleaved-1f1b, zb-h1 and zbv; runtime="dist" runs all but
+            interleaved-1f1b and zbv).
         virtual_stages: interleaved-1f1b's stages per rank, v (default 2; zbv's is 2).
         microbatches: micro-batches per optimizer step, M. ``accum`` sets the accumulation
             factor of pipedream and paci instead (their M; default 1 and M).

@@ -82,11 +82,9 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
 # What training runs: the emulator runs every schedule; the multi-process runtime one stage per
-# rank with a fused backward (its message plan cannot order an interleaved or V pipeline yet).
+# rank, fused or split backward (its message plan cannot order an interleaved or V pipeline yet).
 TRAINABLE = SCHEDULE_NAMES
-DIST_TRAINABLE = tuple(
-    n for n, i in SCHEDULES.items() if i.placement == "one" and not i.split_backward
-)
+DIST_TRAINABLE = tuple(n for n, i in SCHEDULES.items() if i.placement == "one")
 
 
 def check_trainable(name: str, what: str | None = None, runtime: str = "emulate") -> None:
@@ -95,14 +93,10 @@ def check_trainable(name: str, what: str | None = None, runtime: str = "emulate"
     info = schedule_info(name)
     if name in (TRAINABLE if runtime != "dist" else DIST_TRAINABLE):
         return
-    lacks = []
-    if info.split_backward:
-        lacks.append("split backward (I and W)")
-    if info.placement != "one":
-        lacks.append("several stages per rank")
     raise ScheduleError(
         f"{what or '--schedule ' + name}: the multi-process runtime does not run "
-        f"{' or '.join(lacks)} yet; train it with the emulator (runtime 'emulate', "
+        f"several stages per rank ({info.placement} placement) yet; train it with the emulator "
+        "(runtime 'emulate', "
         "`--runtime emulate`), or use one of " + ", ".join(DIST_TRAINABLE) + " with 'dist'"
     )
 
