@@ -13,10 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
-from torch.nn import functional as F
 
 import nobubble
 from _api_reference import (
@@ -36,6 +34,7 @@ from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interp
 from nobubble.model import build_model, lm_loss, model_config, split_model
 from nobubble.optim import NoCorrection
 from nobubble.pipeline import TorchOptimizer
+from test_api import CUTS, SEQ, batch, loss_fn, make_model  # a user's model, loss and data
 
 ROWS = 8  # rows per batch: 2 per micro-batch at M = 4
 
@@ -47,35 +46,6 @@ def _one_thread() -> Iterator[None]:
     yield
     torch.set_num_threads(threads)
 
-
-# ----- a user's model ----------------------------------------------------------------------------
-def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(8, 32),
-        nn.Tanh(),
-        nn.LayerNorm(32),
-        nn.Linear(32, 32),
-        nn.GELU(),
-        nn.Linear(32, 32),
-        nn.Tanh(),
-        nn.Linear(32, 4),
-    )
-
-
-CUTS = {2: ["3"], 4: ["2", "3", "5"]}
-
-
-def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.smooth_l1_loss(out, y) + 0.1 * out.pow(2).mean()
-
-
-def batch(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(j)
-    return torch.randn(ROWS, 8, generator=gen), torch.randn(ROWS, 4, generator=gen)
-
-
-SEQ = Problem(make_model, lambda model, n: nobubble.split(model, CUTS[n]), batch, loss_fn)
 
 # ----- the internal GPT, preset "tiny" (4 layers) at a small vocabulary ------------------------
 GPT_CFG = model_config("tiny", vocab_size=64, seq_len=16)
