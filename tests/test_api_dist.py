@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _api_reference import run_pipeline
-from nobubble.dist.launch import free_port
+from nobubble.distributed.launch import free_port
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"

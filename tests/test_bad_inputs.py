@@ -104,7 +104,7 @@ def test_a_device_or_backend_this_machine_lacks_is_refused_before_any_process_st
 
 
 def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
-    from nobubble.dist.runtime import resolve_device
+    from nobubble.distributed.runtime import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

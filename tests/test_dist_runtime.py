@@ -442,8 +442,8 @@ def assert_refused(done, message: str, out: Path) -> None:
 RANK_SCRIPT = """
 import gc, json, sys, weakref
 from nobubble.config import TrainConfig
-from nobubble.dist import transport
-from nobubble.dist.runtime import run_rank
+from nobubble.distributed import transport
+from nobubble.distributed.runtime import run_rank
 
 run_rank(TrainConfig(**json.loads(sys.argv[1])))
 alive = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, transport.DistTransport)]

@@ -12,7 +12,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "nobubble"
 
 # Module or package of nobubble -> layer; the most specific dotted name wins. Every top-level
-# module must be listed. In `dist`, the transport is layer 2; the runtimes that run a whole
+# module must be listed. In `distributed`, the transport is layer 2; the runtimes that run a whole
 # TrainConfig (per-rank runtime, launcher, synthetic runs, torch peer) sit in layer 3 beside the
 # emulator's Trainer, because they use config and assembly.
 LAYERS = {
@@ -29,11 +29,11 @@ LAYERS = {
     "splitting": 1,
     "hf": 1,
     "export": 3,
-    "dist": 3,
-    "dist.__init__": 2,
-    "dist.transport": 2,
-    "dist.clock": 2,
-    "dist.api": 2,
+    "distributed": 3,
+    "distributed.__init__": 2,
+    "distributed.transport": 2,
+    "distributed.clock": 2,
+    "distributed.api": 2,
     "config": 3,
     "train": 3,
     "checkpoint": 3,

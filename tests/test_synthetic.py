@@ -6,7 +6,7 @@ import json
 
 from nobubble.cli import main
 from nobubble.core.schedules import build_schedule
-from nobubble.dist.synthetic import run_synthetic
+from nobubble.distributed.synthetic import run_synthetic
 
 
 def test_synthetic_run_executes_every_action_of_every_rank():

@@ -6,7 +6,7 @@ written here (plain PipelineStage on the stage modules, the last one returning l
 ``lm_loss``), and save every parameter's averaged gradient. nobubble's side is the single-process
 emulator (worker, interpreter, in-process transport) with a worker that records ``.grad`` when
 the first optimizer step begins. The same processes also run the benchmark's torch peer
-(``nobubble.dist.torch_peer.PeerRun``), which must give the reference's gradients too.
+(``nobubble.distributed.torch_peer.PeerRun``), which must give the reference's gradients too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from nobubble.assemble import load_data, make_plan, make_stages
 from nobubble.config import TrainConfig
 from nobubble.data import fetch_shakespeare
-from nobubble.dist.launch import free_port
+from nobubble.distributed.launch import free_port
 from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
 from nobubble.model import lm_loss
 from nobubble.optim import NoCorrection, build_optimizer, lr_at
@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from nobubble.config import TrainConfig
 from nobubble.data import prepare_data
-from nobubble.dist.torch_peer import PeerRun
+from nobubble.distributed.torch_peer import PeerRun
 from nobubble.model import build_model, model_config, partition_layers, split_model
 from nobubble.model.gpt import lm_loss, run_layers
 
@@ -187,7 +187,7 @@ def test_benchmark_peer_gradients_equal_torch_pipelining(torch_grads, schedule):
 
 
 def test_benchmark_peer_rejects_a_nobubble_schedule(cfg):
-    from nobubble.dist.torch_peer import peer_config
+    from nobubble.distributed.torch_peer import peer_config
 
     with pytest.raises(ValueError, match=r"'paci' is not a torch\.distributed\.pipelining"):
         peer_config(cfg, "paci")

@@ -5,8 +5,8 @@ this machine, for ``steps`` optimizer steps of M micro-batches of B sequences: n
 schedules through ``nobubble train --runtime dist`` (validation only after the last step, so
 the asynchronous schedules never drain before it; pipedream and paci step every M backwards,
 so that every variant applies the same tokens per step), torch's ``ScheduleGPipe`` and
-``Schedule1F1B`` through ``nobubble.dist.torch_peer``. Rounds alternate the variants, so every
-ratio comes from the same conditions; each figure is the median over the rounds.
+``Schedule1F1B`` through ``nobubble.distributed.torch_peer``. Rounds alternate the variants, so
+every ratio comes from the same conditions; each figure is the median over the rounds.
 
 Reported per variant: tokens per second over the steady window (both sides skip the first
 ``max(1, steps // 10)`` steps), the measured steady utilization per stage (nobubble's compute
@@ -32,7 +32,7 @@ from nobubble.assemble import load_data
 from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES
-from nobubble.dist.torch_peer import TORCH_SCHEDULES, launch_peer
+from nobubble.distributed.torch_peer import TORCH_SCHEDULES, launch_peer
 from nobubble.model import model_config, partition_layers, partition_rows
 
 REFERENCES = ("1f1b", "torch-1f1b")  # the ratios' denominators, when they are benchmarked
@@ -68,7 +68,7 @@ class RuntimeBench:
         if self.synthetic is not None:
             raise ValueError(
                 "synthetic mode runs through `nobubble bench runtime --synthetic` "
-                "(nobubble.dist.synthetic), not RuntimeBench"
+                "(nobubble.distributed.synthetic), not RuntimeBench"
             )
         known = (*SCHEDULE_NAMES, *TORCH_SCHEDULES)
         unknown = [s for s in self.schedules if s not in known]

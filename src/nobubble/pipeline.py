@@ -631,7 +631,7 @@ class Pipeline:
 
 def _dist() -> Any:
     """The multi-process runner (layer 2), imported only when asked for."""
-    from nobubble.dist import api
+    from nobubble.distributed import api
 
     return api
 

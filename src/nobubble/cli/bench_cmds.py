@@ -104,7 +104,7 @@ def synthetic_pair(text: str) -> tuple[float, float]:
 
 def bench_synthetic(args: argparse.Namespace) -> int:
     """Fixed-duration waits on real processes against the simulator's prediction."""
-    from nobubble.dist.synthetic import compare_with_simulator
+    from nobubble.distributed.synthetic import compare_with_simulator
 
     names = [n.strip() for n in args.schedule.split(",") if n.strip() in SCHEDULE_NAMES]
     fwd, bwd = args.synthetic

@@ -114,14 +114,14 @@ def cmd_train(outer: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.runtime == "dist":  # layer 2, imported only when asked for
         if "RANK" in os.environ:  # one rank, started by torchrun or by our launcher
-            from nobubble.dist.runtime import run_rank
+            from nobubble.distributed.runtime import run_rank
 
             rank_result = run_rank(cfg)
             if rank_result is None or os.environ.get("NOBUBBLE_LAUNCHED"):
                 return 0  # only the last rank reports, or the launcher does
             result = rank_result
         else:
-            from nobubble.dist.launch import launch
+            from nobubble.distributed.launch import launch
 
             result = launch(cfg, outer.train_args)
     else:

@@ -12,7 +12,7 @@ Timing mirrors nobubble's runtime: one barrier before the first step, then each 
 wall time after each of its optimizer steps; a step ends when its last rank is done; throughput
 is tokens over the steady window (the first ``max(1, steps // 10)`` steps are warm-up).
 
-Run ``python -m nobubble.dist.torch_peer --schedule torch-1f1b --result FILE <train flags>``
+Run ``python -m nobubble.distributed.torch_peer --schedule torch-1f1b --result FILE <train flags>``
 under torchrun-style environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one
 process per stage; ``launch_peer`` starts them on one machine.
 """
@@ -41,9 +41,9 @@ from nobubble.assemble import load_data, make_model, make_plan
 from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
 from nobubble.data import TokenData
-from nobubble.dist.api import release_others
-from nobubble.dist.launch import _watch, free_port, rank_env
-from nobubble.dist.transport import shutdown
+from nobubble.distributed.api import release_others
+from nobubble.distributed.launch import _watch, free_port, rank_env
+from nobubble.distributed.transport import shutdown
 from nobubble.model.gpt import lm_loss
 from nobubble.optim import (
     build_optimizer,
@@ -300,7 +300,7 @@ def launch_peer(
                 command = [
                     sys.executable,
                     "-m",
-                    "nobubble.dist.torch_peer",
+                    "nobubble.distributed.torch_peer",
                     "--schedule",
                     schedule,
                     "--result",
@@ -326,7 +326,9 @@ def launch_peer(
 def main(argv: list[str] | None = None) -> int:
     from nobubble.cli.train_cmds import build_train_parser, config_from_args
 
-    outer = argparse.ArgumentParser(prog="python -m nobubble.dist.torch_peer", add_help=False)
+    outer = argparse.ArgumentParser(
+        prog="python -m nobubble.distributed.torch_peer", add_help=False
+    )
     outer.add_argument("--schedule", required=True, choices=list(TORCH_SCHEDULES))
     outer.add_argument("--result", required=True, type=Path, help="JSON file (last rank)")
     args, rest = outer.parse_known_args(argv)

@@ -40,9 +40,9 @@ from nobubble.core.comm import check_communication
 from nobubble.core.ir import STEP, Action
 from nobubble.core.sim.metrics import measured_utilization
 from nobubble.core.viz import save_gantt, save_trace, trace_events
-from nobubble.dist.api import release_others
-from nobubble.dist.clock import CudaClock, HostClock
-from nobubble.dist.transport import StrictTransport, shutdown
+from nobubble.distributed.api import release_others
+from nobubble.distributed.clock import CudaClock, HostClock
+from nobubble.distributed.transport import StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
 from nobubble.metrics import MetricsWriter, truncate_metrics
 from nobubble.pipeline import StepResult

@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from nobubble.core.comm import GATHER, RECV, SEND, Batch, check_communication
 from nobubble.core.ir import STEP, Action, F, Schedule
-from nobubble.dist.transport import (
+from nobubble.distributed.transport import (
     EVAL_TAG_BASE,
     DistTransport,
     Handle,

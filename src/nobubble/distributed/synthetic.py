@@ -5,7 +5,8 @@ stage) with a stand-in worker, so the measured makespan isolates the runtime's o
 can be checked against the simulator's prediction for the same schedule and durations. Waits do
 not use the CPU, so P = 8 processes run fine on 2 cores.
 
-Entry of one rank: ``python -m nobubble.dist.synthetic --schedule S --stages P ... --result F``
+Entry of one rank:
+``python -m nobubble.distributed.synthetic --schedule S --stages P ... --result F``
 with torchrun's environment variables; ``run_synthetic`` launches all ranks and collects.
 """
 
@@ -28,8 +29,8 @@ from nobubble.core.comm import check_communication
 from nobubble.core.ir import Schedule
 from nobubble.core.schedules import build_schedule
 from nobubble.core.validate import validate
-from nobubble.dist.launch import _watch, free_port, rank_env
-from nobubble.dist.transport import DistTransport, shutdown
+from nobubble.distributed.launch import _watch, free_port, rank_env
+from nobubble.distributed.transport import DistTransport, shutdown
 from nobubble.exec import Interpreter
 
 TOKEN = (1,)  # the payload each transfer carries: one float
@@ -132,7 +133,7 @@ def run_synthetic(
         command = [
             sys.executable,
             "-m",
-            "nobubble.dist.synthetic",
+            "nobubble.distributed.synthetic",
             "--schedule",
             schedule,
             "--microbatches",
@@ -221,7 +222,7 @@ def compare_with_simulator(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m nobubble.dist.synthetic")
+    p = argparse.ArgumentParser(prog="python -m nobubble.distributed.synthetic")
     p.add_argument("--schedule", required=True)
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--accum", type=int, default=None)

@@ -78,7 +78,7 @@ def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, s
 def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
     """Run ``cfg`` on ``cfg.stages`` local processes; ``argv`` are the user's train flags."""
     from nobubble.assemble import load_data
-    from nobubble.dist.runtime import resolve_device
+    from nobubble.distributed.runtime import resolve_device
 
     resolve_device(cfg, 0, cfg.stages)  # a missing GPU is refused here, before any process starts
     if cfg.resume:  # so is a finished run
