@@ -1,13 +1,23 @@
-"""``nobubble demo``: PACI with Muon against 1F1B-flush on two real processes, side by side.
+"""``nobubble demo``: PACI with Muon against 1F1B-flush and the best synchronous schedule.
 
-Two short runs of the multi-process runtime on the default corpus with the same model, data,
-micro-batches and seed; then one table (loss, validation loss, tokens/s, measured utilization)
-and one figure with both measured timelines on a shared time axis.
+Three runs of the multi-process runtime (two processes) on the default corpus, with the same
+model, data, micro-batches, optimizer and seed: ``1f1b``, the synchronous schedule with the
+smallest simulated bubble that the runtime trains (today ``zb-h1`` at P=2), and ``paci``.
+
+Speed on a shared machine moves by tens of percent from one minute to the next, so a single
+run of each schedule can flip a ratio. The demo therefore trains in rounds: each run is cut
+into ``rounds`` segments at its own drain points (``--stop-at``, then ``--resume``; resuming
+continues with the numbers of the uninterrupted run that has the same drain points), and
+round r runs segment r of every schedule back to back, in an order that rotates each round.
+Each ratio is taken within a round, where both runs met the same conditions, and the demo
+reports the median over rounds with every round's value. The losses are those of the whole
+run, which the segments do not change.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +25,113 @@ from typing import Any
 
 from nobubble.core.errors import NobubbleError
 from nobubble.core.ir import Action
+from nobubble.core.schedules import DIST_TRAINABLE, SCHEDULES, build_schedule
+from nobubble.core.sim import CostModel, simulate
 from nobubble.core.viz import save_gantt
 
-SCHEDULES = ("1f1b", "paci")
+STAGES, MICROBATCHES = 2, 4
+BASELINE, ASYNC = "1f1b", "paci"
 
 
-def demo_flags(steps: int) -> list[str]:
+def best_synchronous(stages: int = STAGES, microbatches: int = MICROBATCHES) -> str:
+    """The synchronous schedule, other than gpipe and 1f1b, with the smallest simulated bubble
+    that the multi-process runtime trains at this (P, M), under unit costs (F = I = W = 1)."""
+    bubbles = {}
+    for name in DIST_TRAINABLE:
+        if not SCHEDULES[name].synchronous or name in ("gpipe", BASELINE):
+            continue
+        try:
+            schedule = build_schedule(name, stages, microbatches, 2)
+        except ValueError:  # this (P, M) is outside the schedule's preconditions
+            continue
+        bubbles[name] = simulate(schedule, CostModel(fwd=1.0, bwd=2.0, wgrad=1.0)).metrics
+    if not bubbles:
+        return BASELINE
+    return min(bubbles, key=lambda n: (bubbles[n].bubble_share, n))
+
+
+def demo_schedules() -> tuple[str, ...]:
+    best = best_synchronous()
+    return (BASELINE, ASYNC) if best == BASELINE else (BASELINE, best, ASYNC)
+
+
+def demo_flags(steps: int, rounds: int) -> list[str]:
     # `mini` with a 1024-token vocabulary: the blocks, not the head, carry the cost, so the two
-    # stages are balanced and the bubble is the schedule's, not the partition's.
-    flags = "--runtime dist --stages 2 --microbatches 4 --optimizer muon --lr 1e-2 --model mini"
-    flags += " --vocab-size 1024 --sample-tokens 0"
-    return [*flags.split(), "--steps", str(steps), "--eval-every", str(max(1, steps // 4))]
+    # stages are balanced and the bubble is the schedule's, not the partition's. Validation (a
+    # drain point) only where a segment ends, so no segment times a validation inside it.
+    flags = f"--runtime dist --stages {STAGES} --microbatches {MICROBATCHES} --optimizer muon"
+    flags += " --lr 1e-2 --model mini --vocab-size 1024 --sample-tokens 0"
+    every = str(steps // rounds)
+    return [
+        *flags.split(),
+        "--steps",
+        str(steps),
+        "--eval-every",
+        every,
+        "--checkpoint-every",
+        every,
+    ]
+
+
+def check_demo_args(steps: int, rounds: int) -> None:
+    """Refuse a demo that cannot be cut into equal segments, before any run starts."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"--rounds must be an integer >= 1, got {rounds!r}")
+    if not isinstance(steps, int) or steps < 2 * rounds or steps % rounds:
+        raise ValueError(
+            f"--steps {steps!r} must be a multiple of --rounds {rounds} with at least 2 steps "
+            f"per round (the first step of each segment is warm-up): e.g. --steps {50 * rounds}"
+        )
+
+
+def segment_figures(records: list[dict[str, Any]], start: int, end: int) -> dict[str, Any]:
+    """Tokens/s over steps start+2 .. end (the segment's first step, after a process start,
+    is warm-up), and the utilization measured between the drain points start and end."""
+    by_step = {r["step"]: r for r in records}
+    first, last = by_step[start + 1], by_step[end]
+    seconds = last["elapsed_s"] - first["elapsed_s"]
+    return {
+        "tokens_per_s": (last["tokens"] - first["tokens"]) / seconds,
+        "utilization": last["utilization"],
+        "bubble_share": last["bubble_share"],
+    }
+
+
+def _read_records(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _check_earlier_run(run_dir: Path, flags: list[str]) -> None:
+    """A run folder from an earlier demo is continued only if it has this demo's settings."""
+    from nobubble.cli.train_cmds import build_train_parser, config_from_args
+    from nobubble.config import TrainConfig
+
+    if not (run_dir / "config.json").exists():
+        return
+    wanted = config_from_args(build_train_parser().parse_args(flags)).fingerprint()
+    saved = TrainConfig.from_mapping(TrainConfig.load(run_dir / "config.json")["config"])
+    if saved.fingerprint() != wanted:
+        raise ValueError(
+            f"{run_dir} holds a run with other settings than this demo's (another --steps, "
+            "--rounds or version): remove it, or give the demo another --out"
+        )
+
+
+def _run_segment(run_dir: Path, flags: list[str], stop: int, steps: int, progress: bool) -> None:
+    command = [sys.executable, "-m", "nobubble", "train"]
+    if (run_dir / "config.json").exists():
+        command += ["--resume", str(run_dir)]  # the saved settings, from the last checkpoint
+    else:
+        command += [*flags, "--out", str(run_dir)]
+    if stop < steps:
+        command += ["--stop-at", str(stop)]
+    if not progress:
+        command.append("--no-progress")
+    # the runs report on stderr (file descriptor 2, whatever sys.stderr is now): stdout carries
+    # only the demo's own table or JSON
+    if subprocess.run(command, stdout=2).returncode != 0:
+        raise NobubbleError(f"the demo run in {run_dir} failed; see the messages above")
 
 
 def _compute_lanes(trace: Path, window_s: float) -> list[list[tuple[Action, float, float]]]:
@@ -43,58 +149,104 @@ def _compute_lanes(trace: Path, window_s: float) -> list[list[tuple[Action, floa
     return [lanes[k] for k in sorted(lanes)]
 
 
-def run_demo(out: Path, steps: int, progress: bool = True) -> dict[str, Any]:
-    summaries = {}
-    for schedule in SCHEDULES:
-        run_dir = out / schedule
-        if not (run_dir / "summary.json").exists():
-            command = [
-                sys.executable,
-                "-m",
-                "nobubble",
-                "train",
-                *demo_flags(steps),
-                "--schedule",
-                schedule,
-                "--out",
-                str(run_dir),
-            ]
-            if not progress:
-                command.append("--no-progress")
-            # the runs report on stderr: stdout carries only the demo's own table or JSON
-            if subprocess.run(command, stdout=sys.stderr).returncode != 0:
-                raise NobubbleError(f"the {schedule} demo run failed; see the messages above")
-        summaries[schedule] = json.loads((run_dir / "summary.json").read_text())
+def run_demo(
+    out: Path,
+    steps: int,
+    rounds: int = 3,
+    progress: bool = True,
+    schedules: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+    """Train every schedule (default: ``demo_schedules()``; 1f1b first) in ``rounds``
+    alternating segments under ``out``; return the summaries, per-round speeds and figure."""
+    check_demo_args(steps, rounds)
+    schedules = schedules or demo_schedules()
+    if schedules[0] != BASELINE:
+        raise ValueError(f"the demo's schedules start with {BASELINE}, got {schedules!r}")
+    flags, every = demo_flags(steps, rounds), steps // rounds
+    for schedule in schedules:  # before any run starts
+        _check_earlier_run(out / schedule, [*flags, "--schedule", schedule, "--out", "x"])
+    for r in range(rounds):
+        order = schedules[r % len(schedules) :] + schedules[: r % len(schedules)]
+        for schedule in order:
+            run_dir = out / schedule
+            done = [rec["step"] for rec in _read_records(run_dir)] if run_dir.exists() else []
+            if (r + 1) * every not in done:  # a finished segment of an earlier demo stays
+                _run_segment(
+                    run_dir, [*flags, "--schedule", schedule], (r + 1) * every, steps, progress
+                )
+    per_round = {
+        s: [
+            segment_figures(_read_records(out / s), r * every, (r + 1) * every)
+            for r in range(rounds)
+        ]
+        for s in schedules
+    }
+    summaries = {s: json.loads((out / s / "summary.json").read_text()) for s in schedules}
+    speed = {}
+    for s in schedules:
+        tokens = [f["tokens_per_s"] for f in per_round[s]]
+        ratios = [t / f["tokens_per_s"] for t, f in zip(tokens, per_round[BASELINE], strict=True)]
+        speed[s] = {
+            "tokens_per_s": statistics.median(tokens),
+            "tokens_per_s_rounds": tokens,
+            "vs_1f1b": statistics.median(ratios),
+            "vs_1f1b_rounds": ratios,
+            "utilization": [
+                statistics.median(u)
+                for u in zip(*(f["utilization"] for f in per_round[s]), strict=True)
+            ],
+            "bubble_share": statistics.median(f["bubble_share"] for f in per_round[s]),
+        }
     window = 1.5  # seconds of each timeline: a few batches, readable
     panels = [
         (
-            f"{s}: measured, 2 processes, first {window} s (bubble over the whole run "
-            f"{summaries[s]['bubble_share']:.0%})",
+            f"{s}: measured, 2 processes, first {window} s of the last round "
+            f"(bubble {speed[s]['bubble_share']:.0%})",
             _compute_lanes(out / s / "trace.json", window),
         )
-        for s in SCHEDULES
+        for s in schedules
     ]
     figure = save_gantt(out / "timelines.png", panels, time_unit="seconds", max_labels=400)
-    return {"runs": summaries, "figure": str(figure)}
+    return {
+        "schedules": list(schedules),
+        "rounds": rounds,
+        "steps": steps,
+        "runs": summaries,
+        "speed": speed,
+        "figure": str(figure),
+    }
 
 
 def format_demo(result: dict[str, Any]) -> str:
-    runs = result["runs"]
+    schedules, runs, speed = result["schedules"], result["runs"], result["speed"]
+
+    def rounds_text(values: list[float], fmt: str) -> str:
+        return " / ".join(format(v, fmt) for v in values)
+
     rows = [
-        ("", *SCHEDULES),
-        ("final train loss", *(f"{runs[s]['last_loss']:.3f}" for s in SCHEDULES)),
-        ("final val loss", *(f"{runs[s]['val_loss']:.3f}" for s in SCHEDULES)),
-        ("tokens/s (steady)", *(f"{runs[s]['tokens_per_s']:,.0f}" for s in SCHEDULES)),
+        ("", *schedules),
+        ("final train loss", *(f"{runs[s]['last_loss']:.3f}" for s in schedules)),
+        ("final val loss", *(f"{runs[s]['val_loss']:.3f}" for s in schedules)),
+        ("tokens/s (median)", *(f"{speed[s]['tokens_per_s']:,.0f}" for s in schedules)),
+        (
+            "tokens/s per round",
+            *(rounds_text(speed[s]["tokens_per_s_rounds"], ",.0f") for s in schedules),
+        ),
+        ("vs 1f1b (median)", *(f"{speed[s]['vs_1f1b']:.2f}x" for s in schedules)),
+        ("vs 1f1b per round", *(rounds_text(speed[s]["vs_1f1b_rounds"], ".2f") for s in schedules)),
         (
             "utilization per stage",
-            *(", ".join(f"{u:.2f}" for u in runs[s]["utilization"]) for s in SCHEDULES),
+            *(", ".join(f"{u:.2f}" for u in speed[s]["utilization"]) for s in schedules),
         ),
-        ("bubble share", *(f"{runs[s]['bubble_share']:.1%}" for s in SCHEDULES)),
-        ("wall time (s)", *(f"{runs[s]['elapsed_s']:.1f}" for s in SCHEDULES)),
+        ("bubble share", *(f"{speed[s]['bubble_share']:.1%}" for s in schedules)),
     ]
-    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    width = [max(len(r[i]) for r in rows) for i in range(len(schedules) + 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows]
-    speed = runs["paci"]["tokens_per_s"] / runs["1f1b"]["tokens_per_s"]
-    lines.append(f"paci / 1f1b tokens/s: {speed:.2f}x (ideal (M+P-1)/M = 1.25 at M=4, P=2)")
+    lines.append(
+        f"{result['rounds']} rounds of {result['steps'] // result['rounds']} steps, schedules "
+        "alternating within each round; ratios are taken within a round (ideal for paci: "
+        f"(M+P-1)/M = {(MICROBATCHES + STAGES - 1) / MICROBATCHES:.2f} at M={MICROBATCHES}, "
+        f"P={STAGES}, before the optimizer's own cost)"
+    )
     lines.append(f"timelines: {result['figure']}")
     return "\n".join(lines)

@@ -58,7 +58,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from nobubble.demo import format_demo, run_demo
 
-    result = run_demo(Path(args.out), args.steps, progress=not args.json)
+    result = run_demo(Path(args.out), args.steps, args.rounds, progress=not args.json)
     if args.json:
         print(json.dumps(result))
     else:
@@ -67,8 +67,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="paci + Muon vs 1f1b on 2 real processes, side by side")
+    p = sub.add_parser(
+        "demo",
+        help="paci + Muon vs 1f1b and the best synchronous schedule on 2 real processes",
+    )
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="segments per run; each round runs one segment of every schedule (ratios per round)",
+    )
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_demo)
