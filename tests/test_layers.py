@@ -42,6 +42,7 @@ LAYERS = {
     "experiments": 3,
     "bench_runtime": 3,
     "demo": 3,
+    "study": 3,
     "bench": 3,
     "cli": 3,
 }

@@ -66,7 +66,64 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nobubble.study import format_study, run_study
+
+    runs = None
+    if args.runs:
+        parts = args.runs.split(",")
+        if len(parts) != 2:
+            raise ValueError(
+                f"--runs {args.runs!r}: give two run folders, FUSED,SPLIT (a 1f1b and a zb-h1 "
+                "run of `nobubble train --runtime dist` with the same settings)"
+            )
+        runs = (Path(parts[0]), Path(parts[1]))
+        for run in runs:
+            if not (run / "trace.json").exists():
+                raise FileNotFoundError(
+                    f"{run} has no trace.json: not a finished --runtime dist run"
+                )
+    bench = Path(args.bench) if args.bench else None
+    if bench is not None and not bench.exists():
+        raise FileNotFoundError(
+            f"--bench {bench}: no such file (the JSON of `bench runtime --json`)"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_study(
+        out,
+        bench,
+        runs,
+        model=args.model,
+        vocab_size=args.vocab_size,
+        micro_batch_size=args.micro_batch_size,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        optimizer=args.optimizer,
+    )
+    print(json.dumps(result) if args.json else format_study(result))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "study",
+        help="async vs zero-bubble: costs measured on 2 processes, simulated for P up to 32",
+    )
+    p.add_argument("--runs", help="FUSED,SPLIT: measure from these runs instead of fresh ones")
+    p.add_argument("--bench", help="the JSON of `nobubble bench runtime --json` to include")
+    p.add_argument("--model", default="mini")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="steps of each measuring run")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--out", default="runs/study")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_study)
+
     p = sub.add_parser(
         "demo",
         help="paci + Muon vs 1f1b and the best synchronous schedule on 2 real processes",
