@@ -143,7 +143,7 @@ MULTI_STAGE_GRID = [
     for stages in (2, 3, 4)
     for microbatches in sorted({1, stages, 2 * stages, 3 * stages, 4 * stages})
     for global_clip in (False, True)
-    for drain_every in (None, 1, 3)  # no drain point but the last, every step, every 3 steps
+    for drain_every in (None, 1)  # a drain point after the last step only, or after every step
 ]
 
 
@@ -163,7 +163,7 @@ def test_several_stages_per_rank_complete_under_nccl_rules_in_the_senders_order(
     where, m = schedule.placement, microbatches
     for rank, batches in enumerate(plans):
         order = schedule.ranks[rank]
-        first_of_batch = {}
+        first_of_batch, index = {}, {a: i for i, a in enumerate(order)}
         for pos, action in enumerate(order):
             first_of_batch.setdefault(batch_of(action, m), pos)
         sent, received = [], []
@@ -173,10 +173,10 @@ def test_several_stages_per_rank_complete_under_nccl_rules_in_the_senders_order(
                     consumer = sends_after(op.message, schedule.num_stages)
                     assert where.rank_of(consumer.stage) == rank != op.peer
                     assert first_of_batch[batch_of(consumer, m)] <= batch.position
-                    assert batch.position <= order.index(consumer), (rank, batch, consumer)
+                    assert batch.position <= index[consumer], (rank, batch, consumer)
                     received.append((op.peer, op.message))
                 elif op.kind == SEND:
-                    assert batch.position > order.index(op.message), (rank, batch)
+                    assert batch.position > index[op.message], (rank, batch)
                     sent.append((op.peer, op.message))
         for peer in range(stages):  # the receives from each peer in the peer's send order
             theirs = [msg for to, msg in _sends_of(plans[peer]) if to == rank]

@@ -233,9 +233,7 @@ def test_microbatches_that_do_not_fit_the_schedule_are_refused_with_the_fix():
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
-def test_the_multi_process_runtime_refuses_them_and_names_the_emulator(schedule):
-    modules = nobubble.split(make_model(), CUTS[4])
-    with pytest.raises(ValueError, match=rf"schedule='{schedule}': the multi-process runtime"):
-        nobubble.Pipeline(modules, loss_fn, schedule=schedule, runtime="dist")
-    with pytest.raises(ValueError, match=r"--runtime emulate"):
-        TrainConfig(schedule=schedule, runtime="dist")
+def test_the_multi_process_runtime_accepts_them(schedule):
+    """Refused until the runtime could order a rank's several stages (tests/test_api_dist.py
+    and tests/test_dist_runtime.py run them in real processes)."""
+    assert TrainConfig(schedule=schedule, runtime="dist").schedule == schedule

@@ -221,7 +221,12 @@ def check_communication(
 ) -> list[list[Batch]]:
     """Replay every rank's batches under the rules above; return them, or raise
     ``CommDeadlock`` naming the mismatch or the cycle of waiting ranks."""
-    plans = [planner(schedule, r, global_clip, drain_points) for r in range(schedule.num_ranks)]
+    if planner is rank_batches and schedule.placement.stages_per_rank > 1:
+        from nobubble.core.sender_order import sender_order_plans
+
+        plans = sender_order_plans(schedule, global_clip, drain_points)  # every rank's at once
+    else:
+        plans = [planner(schedule, r, global_clip, drain_points) for r in range(schedule.num_ranks)]
     partner = _match(plans)
     _replay(schedule, plans, partner)
     return plans
