@@ -9,6 +9,7 @@ sum of tied gradients) add the stages' shares in stage order on every rank.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _api_reference import run_pipeline
+from _api_reference import Problem, run_pipeline
 from nobubble.distributed.launch import free_port
+from test_api import batch, loss_fn
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
@@ -70,9 +72,9 @@ MULTI_STAGE = ["interleaved-1f1b", "zbv"]
 MULTI_STAGE_SCRIPT = """
 import json, sys, torch
 stages, out, schedules = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-import problems
+import test_api_dist  # not problems.py: importing transformers would cost seconds a process
 from _api_reference import run_pipeline
-problem, saved = problems.PROBLEMS["deep"], {}
+problem, saved = test_api_dist.DEEP, {}
 for schedule in schedules:
     pipe, losses, _ = run_pipeline(problem, schedule, 2 * stages, 4, 2, clip=0.5,
                                    runtime="dist", timeout=60, runner_options={"strict": True})
@@ -93,7 +95,7 @@ def deep_model() -> torch.nn.Sequential:
     torch.manual_seed(0)
     widths = [8, 16, 16, 16, 16, 16, 4]
     layers: list[torch.nn.Module] = []
-    for a, b in zip(widths, widths[1:], strict=False):
+    for a, b in itertools.pairwise(widths):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers)
 
@@ -105,14 +107,14 @@ def deep_cut(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
     return nobubble.split(model, points)
 
 
+DEEP = Problem(deep_model, deep_cut, batch, loss_fn)
+
 PROBLEMS_MODULE = """
 import nobubble
 from _api_reference import Problem, tree_model, tree_forward
-import test_api, test_api_dist
+import test_api
 PROBLEMS = {
     "seq": test_api.SEQ,
-    "deep": Problem(test_api_dist.deep_model, test_api_dist.deep_cut, test_api.batch,
-                    test_api.loss_fn),
     "tree": Problem(tree_model, lambda m, n: [m[0], m[1]], test_api.batch, test_api.loss_fn,
                     tree_forward),
 }
@@ -241,7 +243,7 @@ def test_several_stages_per_rank_under_nccl_rules_equal_the_emulated_pipeline(ra
     args = [str(tmp_path / "multi.py"), str(ranks), str(tmp_path), json.dumps(MULTI_STAGE)]
     launch(tmp_path, ranks, args)
     torch.set_num_threads(1)
-    problem = problems()["deep"]
+    problem = DEEP
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks)]
     for schedule in MULTI_STAGE:
         pipe, losses, _ = run_pipeline(problem, schedule, 2 * ranks, 4, 2, clip=0.5)

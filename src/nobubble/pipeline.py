@@ -309,8 +309,8 @@ class Pipeline:
             None if runtime == "emulate" else _dist().join(self.num_stages, self.stages, where)
         )
         # the stages run here: all of them, or the rank's (one, or v in pipeline order)
-        self.local = list(range(self.num_stages)) if self.rank is None else list(
-            where.stages_of(self.rank)
+        self.local = (
+            list(range(self.num_stages)) if self.rank is None else list(where.stages_of(self.rank))
         )
         self.workers: list[StageWorker] = []
         for s in self.local:

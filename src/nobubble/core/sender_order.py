@@ -77,7 +77,7 @@ def _segments(schedule: Schedule) -> list[list[tuple[int, int]]]:
 def _finish_times(schedule: Schedule, segments: list[list[tuple[int, int]]]) -> dict[Action, int]:
     """Finish time of every action, each batch simulated from time 0 on all ranks (actions
     start when the rank is free and their input is done; transfers are free)."""
-    P, finish = schedule.num_stages, {}
+    P, finish = schedule.num_stages, dict[Action, int]()
     for j in range(max((len(s) for s in segments), default=0)):
         bounds = [s[j] if j < len(s) else (0, 0) for s in segments]
         pointer, free = [start for start, _ in bounds], [0] * len(bounds)
