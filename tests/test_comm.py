@@ -6,6 +6,8 @@ stream per rank, rendezvous sends, tags ignored and collectives that need every 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from nobubble.core.comm import (
@@ -178,6 +180,18 @@ def test_several_stages_per_rank_complete_under_nccl_rules_in_the_senders_order(
                 elif op.kind == SEND:
                     assert batch.position > index[op.message], (rank, batch)
                     sent.append((op.peer, op.message))
+        held = [  # receives posted ahead of their consumer: their buffers wait for it
+            (batch.position, index[sends_after(op.message, schedule.num_stages)])
+            for batch in batches
+            for op in batch.ops
+            if op.kind == RECV
+        ]
+        change = [0] * (len(order) + 1)
+        for posted, consumed in held:
+            change[posted] += 1
+            change[consumed] -= 1
+        most = max(itertools.accumulate(change))
+        assert most <= (1 if name == "zbv" else 3), (rank, most)  # docs/runtime.md's figures
         for peer in range(stages):  # the receives from each peer in the peer's send order
             theirs = [msg for to, msg in _sends_of(plans[peer]) if to == rank]
             assert [msg for p, msg in received if p == peer] == theirs
