@@ -9,6 +9,7 @@ sum of tied gradients) add the stages' shares in stage order on every rank.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _api_reference import run_pipeline
+from _api_reference import Problem, run_pipeline
 from nobubble.distributed.launch import free_port
+from test_api import batch, loss_fn
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
@@ -62,6 +64,50 @@ for schedule in schedules:
 torch.save(saved, f"{out}/rank{pipe.rank}.pt")
 pipe.close()
 """
+
+# Several stages per rank: interleaved-1f1b (v=2) and zbv, P=2 and P=3, one launch per P; each
+# run under NCCL's rules, with global clipping and a drain point, then evaluated.
+MULTI_STAGE = ["interleaved-1f1b", "zbv"]
+
+MULTI_STAGE_SCRIPT = """
+import json, sys, torch
+stages, out, schedules = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+import test_api_dist  # not problems.py: importing transformers would cost seconds a process
+from _api_reference import run_pipeline
+problem, saved = test_api_dist.DEEP, {}
+for schedule in schedules:
+    pipe, losses, _ = run_pipeline(problem, schedule, 2 * stages, 4, 2, clip=0.5,
+                                   runtime="dist", timeout=60, runner_options={"strict": True})
+    saved[schedule] = {
+        "losses": losses,
+        "weights": {s: {n: p.detach().clone() for n, p in pipe.stages[s].named_parameters()}
+                    for s in pipe.local},
+        "val": pipe.evaluate(*problem.batch(99)),
+        "merged": pipe.merged_state_dict(),
+    }
+torch.save(saved, f"{out}/rank{pipe.rank}.pt")
+pipe.close()
+"""
+
+
+def deep_model() -> torch.nn.Sequential:
+    """Six (Linear, Tanh) pairs: enough stages with weights for 2P = 6 at P = 3."""
+    torch.manual_seed(0)
+    widths = [8, 16, 16, 16, 16, 16, 4]
+    layers: list[torch.nn.Module] = []
+    for a, b in itertools.pairwise(widths):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def deep_cut(model: torch.nn.Module, n: int) -> list[torch.nn.Module]:
+    import nobubble
+
+    points = {4: ["2", "4", "6"], 6: ["2", "4", "6", "8", "10"]}[n]
+    return nobubble.split(model, points)
+
+
+DEEP = Problem(deep_model, deep_cut, batch, loss_fn)
 
 PROBLEMS_MODULE = """
 import nobubble
@@ -184,3 +230,35 @@ def test_every_schedule_under_nccl_rules_equals_the_emulated_pipeline(stages, tm
             theirs = part[schedule]["weights"]
             assert theirs.keys() == ours.keys()
             assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (schedule, rank)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_several_stages_per_rank_under_nccl_rules_equal_the_emulated_pipeline(ranks, tmp_path):
+    """interleaved-1f1b (v=2) and zbv: each rank runs 2 stages, posts its receives in the
+    sender's order (some early, buffered until their consumer runs) and hands its own stages'
+    activations over locally. Under NCCL's rules, with the global norm gathered and a drain in
+    the middle: losses, every stage's weights, evaluate (returned by the rank of the last stage:
+    rank 0 under zbv's V) and the merged state are bitwise the emulator's."""
+    (tmp_path / "multi.py").write_text(MULTI_STAGE_SCRIPT)
+    args = [str(tmp_path / "multi.py"), str(ranks), str(tmp_path), json.dumps(MULTI_STAGE)]
+    launch(tmp_path, ranks, args)
+    torch.set_num_threads(1)
+    problem = DEEP
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks)]
+    for schedule in MULTI_STAGE:
+        pipe, losses, _ = run_pipeline(problem, schedule, 2 * ranks, 4, 2, clip=0.5)
+        last = pipe.schedule.placement.rank_of(2 * ranks - 1)
+        assert last == (0 if schedule == "zbv" else ranks - 1)
+        for rank, part in enumerate(parts):
+            mine = part[schedule]
+            assert mine["losses"] == (losses if rank == last else []), (schedule, rank)
+            assert sorted(mine["weights"]) == list(pipe.schedule.placement.stages_of(rank))
+            for stage, theirs in mine["weights"].items():
+                ours = {n: p.detach() for n, p in pipe.stages[stage].named_parameters()}
+                assert theirs.keys() == ours.keys()
+                assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (schedule, stage)
+            expected = pipe.evaluate(*problem.batch(99)) if rank == last else None
+            assert mine["val"] == expected, (schedule, rank)
+            merged = pipe.merged_state_dict()
+            assert mine["merged"].keys() == merged.keys()
+            assert all(torch.equal(mine["merged"][k], v) for k, v in merged.items())

@@ -6,6 +6,8 @@ stream per rank, rendezvous sends, tags ignored and collectives that need every 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from nobubble.core.comm import (
@@ -17,11 +19,14 @@ from nobubble.core.comm import (
     CommDeadlock,
     CommOp,
     check_communication,
+    paired_batches,
     prefetch_batches,
     rank_batches,
 )
+from nobubble.core.deps import sends_after
 from nobubble.core.ir import Action
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
+from nobubble.core.sender_order import batch_of
 
 STEPS = 4
 
@@ -134,33 +139,87 @@ def test_a_rank_that_skips_a_collective_is_named():
         check_communication(schedule, drain_points=[1, 2], planner=planner)
 
 
-def multi_stage_outcome(name: str, stages: int, microbatches: int) -> str:
-    try:
-        check_communication(build_schedule(name, stages, microbatches, STEPS), True, [1, 2, 3, 4])
-    except CommDeadlock as err:
-        assert "rank" in str(err)  # names the ranks and what each waits for
-        return "deadlock"
-    return "ok"
+MULTI_STAGE_GRID = [
+    (name, virtual, stages, microbatches, global_clip, drain_every)
+    for name, virtual in (("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zbv", 2))
+    for stages in (2, 3, 4)
+    for microbatches in sorted({1, stages, 2 * stages, 3 * stages, 4 * stages})
+    for global_clip in (False, True)
+    for drain_every in (None, 1)  # a drain point after the last step only, or after every step
+]
 
 
-def test_multi_stage_schedules_are_lowered_or_refused_by_name():
-    """Known limit, pinned so that a better planner shows up here: the per-action pairing lowers
-    interleaved-1f1b only while M < 2P and zbv only at M = 1 or P = 1 (their steady phases send
-    messages between two ranks in an order the receiver does not consume them in, and with tags
-    ignored the receives must follow the sender's order). ``check_communication`` says so by
-    name; a hop between two stages of one rank is never a message."""
-    outcomes = {
-        (name, p, m): multi_stage_outcome(name, p, m)
-        for name in ("interleaved-1f1b", "zbv")
-        for p in range(1, 6)
-        for m in (1, 2, 3, 4, 8)
-        if not (name == "interleaved-1f1b" and m >= p and m % (m // p))  # not whole rounds
-    }
-    lowered = {k for k, v in outcomes.items() if v == "ok"}
-    assert lowered == {
-        (name, p, m)
-        for name, p, m in outcomes
-        if p == 1 or (m < 2 * p if name == "interleaved-1f1b" else m == 1)
-    }
+@pytest.mark.parametrize(
+    ("name", "virtual", "stages", "microbatches", "global_clip", "drain_every"), MULTI_STAGE_GRID
+)
+def test_several_stages_per_rank_complete_under_nccl_rules_in_the_senders_order(
+    name, virtual, stages, microbatches, global_clip, drain_every
+):
+    """Every (P, M) the generators accept: the plan replays under NCCL's rules; between two
+    ranks the receives follow the sender's order; a receive is posted no later than its
+    consumer and no earlier than the rank's first action of its batch (so none is pending at
+    the previous step's gather or drain point); no hop between stages of one rank is posted."""
+    schedule = build_schedule(name, stages, microbatches, STEPS, virtual_stages=virtual)
+    points = sorted({*range(drain_every or STEPS, STEPS, drain_every or STEPS), STEPS})
+    plans = check_communication(schedule, global_clip, points)
+    where, m = schedule.placement, microbatches
+    for rank, batches in enumerate(plans):
+        order = schedule.ranks[rank]
+        first_of_batch, index = {}, {a: i for i, a in enumerate(order)}
+        for pos, action in enumerate(order):
+            first_of_batch.setdefault(batch_of(action, m), pos)
+        sent, received = [], []
+        for batch in batches:
+            for op in batch.ops:
+                if op.kind == RECV:
+                    consumer = sends_after(op.message, schedule.num_stages)
+                    assert where.rank_of(consumer.stage) == rank != op.peer
+                    assert first_of_batch[batch_of(consumer, m)] <= batch.position
+                    assert batch.position <= index[consumer], (rank, batch, consumer)
+                    received.append((op.peer, op.message))
+                elif op.kind == SEND:
+                    assert batch.position > index[op.message], (rank, batch)
+                    sent.append((op.peer, op.message))
+        held = [  # receives posted ahead of their consumer: their buffers wait for it
+            (batch.position, index[sends_after(op.message, schedule.num_stages)])
+            for batch in batches
+            for op in batch.ops
+            if op.kind == RECV
+        ]
+        change = [0] * (len(order) + 1)
+        for posted, consumed in held:
+            change[posted] += 1
+            change[consumed] -= 1
+        most = max(itertools.accumulate(change))
+        assert most <= (1 if name == "zbv" else 3), (rank, most)  # docs/runtime.md's figures
+        for peer in range(stages):  # the receives from each peer in the peer's send order
+            theirs = [msg for to, msg in _sends_of(plans[peer]) if to == rank]
+            assert [msg for p, msg in received if p == peer] == theirs
+        assert all(where.rank_of(msg.stage) == rank for _, msg in sent)
+
+
+def _sends_of(batches):
+    return [(op.peer, op.message) for b in batches for op in b.ops if op.kind == SEND]
+
+
+def test_the_per_action_pairing_cannot_order_a_v_and_the_sender_order_can():
+    """Why the receives follow the sender's order: ZB-V at P=2, M=4. Rank 0 sends rank 1 stage
+    0's activations and stage 3's input gradients interleaved as it computes them; rank 1's
+    order consumes them differently, so receives posted by their consumers name messages in
+    another order than the sends (tags are ignored: the k-th receive meets the k-th send)."""
+    schedule = build_schedule("zbv", 2, 4, 1)
+    with pytest.raises(CommDeadlock, match="the two ranks must post their messages in the same"):
+        check_communication(schedule, planner=paired_batches)
+    plans = check_communication(schedule)  # rank_batches: sender order for several stages
+    early = [  # a receive posted before its consumer's turn: its tensor waits in a buffer
+        (batch.position, op.message)
+        for batch in plans[1]
+        for op in batch.ops
+        if op.kind == RECV and schedule.ranks[1][batch.position].number != op.message.number
+    ]
+    assert early, "at M = 2P a V rank receives some messages ahead of their consumers"
+
+
+def test_a_lone_v_rank_posts_only_its_collectives():
     schedule = build_schedule("zbv", 1, 2, 1)  # both stages on rank 0: nothing to send
     assert check_communication(schedule) == [[]]

@@ -233,9 +233,20 @@ def test_microbatches_that_do_not_fit_the_schedule_are_refused_with_the_fix():
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
-def test_the_multi_process_runtime_refuses_them_and_names_the_emulator(schedule):
-    modules = nobubble.split(make_model(), CUTS[4])
-    with pytest.raises(ValueError, match=rf"schedule='{schedule}': the multi-process runtime"):
-        nobubble.Pipeline(modules, loss_fn, schedule=schedule, runtime="dist")
-    with pytest.raises(ValueError, match=r"--runtime emulate"):
-        TrainConfig(schedule=schedule, runtime="dist")
+def test_the_multi_process_runtime_accepts_them(schedule):
+    """Refused until the runtime could order a rank's several stages (tests/test_api_dist.py
+    and tests/test_dist_runtime.py run them in real processes)."""
+    assert TrainConfig(schedule=schedule, runtime="dist").schedule == schedule
+
+
+def test_tied_parameters_across_a_v_under_the_runtime_are_refused_with_the_fix():
+    """The runtime swaps tied gradients between ranks of one stage each; under zbv's V the
+    tied first and last stages share rank 0. Refused before any process group is needed."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) if k % 2 == 0 else torch.nn.Tanh() for k in range(7)]
+    modules = nobubble.split(torch.nn.Sequential(*layers), ["2", "4", "6"])
+    with torch.no_grad():
+        modules[3][0].weight.copy_(modules[0][0].weight)
+    modules[3].tied_parameters = {"6.weight": "0.weight"}
+    with pytest.raises(ValueError, match=r"tied to 0.weight of stage 0.*untie=True"):
+        nobubble.Pipeline(modules, loss_fn, schedule="zbv", runtime="dist")

@@ -158,8 +158,7 @@ class Pipeline:
         loss_fn: ``loss_fn(outputs, targets)``, the scalar loss of one micro-batch, on the last
             stage. The pipeline averages it over the micro-batches of a step.
         schedule: one of ``nobubble.SCHEDULES`` (gpipe, 1f1b, pipedream, 2bw, paci, and the
-            synchronous interleaved-1f1b, zb-h1 and zbv; runtime="dist" runs all but
-            interleaved-1f1b and zbv).
+            synchronous interleaved-1f1b, zb-h1 and zbv; both runtimes run all of them).
         virtual_stages: interleaved-1f1b's stages per rank, v (default 2; zbv's is 2).
         microbatches: micro-batches per optimizer step, M. ``accum`` sets the accumulation
             factor of pipedream and paci instead (their M; default 1 and M).
@@ -180,9 +179,10 @@ class Pipeline:
             ``sync_warmup`` steps flushed).
         dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
         recompute: paci only: keep the stage input and recompute the forward at backward.
-        runtime: "emulate" runs every stage in this process; "dist" runs stage r in the process
-            of rank r (start P processes, e.g. with torchrun; each builds the same stages and
-            feeds the same batches, and only its own stage is used).
+        runtime: "emulate" runs every stage in this process; "dist" runs rank r's stages in
+            the process of rank r (start P processes, e.g. with torchrun; each builds the same
+            stages and feeds the same batches, and only its own stages are used: stage r, or
+            interleaved-1f1b's r, r+P, ... and zbv's r and 2P-1-r).
         timeout: seconds a "dist" rank waits for a peer before it reports which one it waited
             for.
         steps: the total number of steps, when known: the schedule then ends there (the last
@@ -296,8 +296,22 @@ class Pipeline:
                 f"{self.microbatches}: {err}"
             ) from None
         self.transport = InProcessTransport(self.num_stages)
-        self.rank = None if runtime == "emulate" else _dist().join(self.num_stages, self.stages)
-        self.local = list(range(self.num_stages)) if self.rank is None else [self.rank]
+        where = self.schedule.placement
+        if runtime == "dist" and self.ties and where.stages_per_rank > 1:
+            a, name_a, b, name_b = self.ties[0]
+            raise ValueError(
+                f"{name_b} of stage {b} is tied to {name_a} of stage {a}: runtime='dist' adds "
+                f"tied gradients between ranks of one stage each, not under {schedule}'s "
+                f"{where.kind} placement; split with untie=True (--untie-embeddings), or use "
+                "runtime='emulate'"
+            )
+        self.rank = (
+            None if runtime == "emulate" else _dist().join(self.num_stages, self.stages, where)
+        )
+        # the stages run here: all of them, or the rank's (one, or v in pipeline order)
+        self.local = (
+            list(range(self.num_stages)) if self.rank is None else list(where.stages_of(self.rank))
+        )
         self.workers: list[StageWorker] = []
         for s in self.local:
             module = self.stages[s]
@@ -385,7 +399,7 @@ class Pipeline:
     def _runner(self, start_step: int) -> Any:
         """What runs the actions: the emulator (every rank here), or this rank's runner."""
         if self.rank is not None:
-            return _dist().RankRunner(self, self.workers[0], start_step)
+            return _dist().RankRunner(self, self.workers, start_step)
         return self._emulator(start_step)
 
     def _available(self, action: Action) -> bool:
@@ -465,7 +479,8 @@ class Pipeline:
         mode, changing no training state. The batch is cut into ``microbatches`` pieces (the
         pipeline's M by default) along dim 0; the result is the mean of their losses, as a
         step's loss is. Needs a drained pipeline. With runtime="dist", call it on every rank
-        with the same batch: the last rank returns the loss, the others None."""
+        with the same batch: the rank of the last stage returns the loss (the last rank; rank 0
+        under zbv's V), the others None."""
         self._check_drained("evaluate()")
         m = self.microbatches if microbatches is None else microbatches
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:

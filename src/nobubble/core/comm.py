@@ -13,19 +13,23 @@ have. That is NCCL's:
   both must name the same message;
 - a collective completes when every rank's active batch is that collective.
 
-The lowering is the Megatron pattern: before action i a rank posts one batch holding the send
-of action i-1's output and the receive of action i's input, so two neighbours that both send
-before they receive (the 1F1B steady state) meet in one batch instead of waiting for each other.
-No receive is posted ahead of the action that consumes it, so none stays pending across a
-collective or a drain point. A hop between two stages of one rank (the turn of a V placement)
-is a local hand-off: no operation is posted for it; a weight-gradient action (W) sends nothing.
+With one stage per rank the lowering is the Megatron pattern (``paired_batches``): before
+action i a rank posts one batch holding the send of action i-1's output and the receive of
+action i's input, so two neighbours that both send before they receive (the 1F1B steady state)
+meet in one batch instead of waiting for each other. No receive is posted ahead of the action
+that consumes it, so none stays pending across a collective or a drain point. A rank with
+several stages (interleaved-1f1b, zbv) sends a neighbour messages of two stages in an order the
+neighbour may not consume them in; its receives follow the sender's order instead, some posted
+before their consumer's turn and buffered (``sender_order.py``). A hop between two stages of
+one rank (the turn of a V placement) is a local hand-off: no operation is posted for it; a
+weight-gradient action (W) sends nothing.
 ``prefetch_batches`` keeps the earlier runtime's order (each receive posted one action ahead,
 each operation alone) for the test that shows why it had to go.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -110,20 +114,56 @@ def rank_batches(
     after its exchange; after the rank's last STEP of each step in ``drain_points`` the ranks meet
     (modelled as a collective: nothing may be pending there).
 
-    Known limit: this per-action pairing lowers ``interleaved-1f1b`` only while M < 2P (or P = 1)
-    and ``zbv`` only at M = 1 or P = 1: in their steady phases a rank sends to a neighbour
-    in an order the neighbour does not consume them in (ZB-V's F and I cross), and with tags
-    ignored the receives would have to follow the sender's order. ``check_communication`` then
-    names the cycle or the crossing messages instead of hanging.
+    One stage per rank: ``paired_batches``, each action's receive with the previous action's
+    send. Several stages per rank (interleaved-1f1b, zbv): ``sender_order.sender_order_plans``,
+    the receives between two ranks in the sender's order (module docstring there).
     """
-    order, where = schedule.ranks[rank], schedule.placement
-    P, batches = schedule.num_stages, []
+    if schedule.placement.stages_per_rank > 1:
+        from nobubble.core.sender_order import sender_order_plans  # it builds on this module
+
+        return sender_order_plans(schedule, global_clip, drain_points)[rank]
+    return paired_batches(schedule, rank, global_clip, drain_points)
+
+
+def paired_batches(
+    schedule: Schedule, rank: int, global_clip: bool = False, drain_points: Collection[int] = ()
+) -> list[Batch]:
+    """The per-action pairing (module docstring): before action i, action i-1's send and action
+    i's receive. Every receive is posted by its consumer.
+
+    It is the plan of every schedule with one stage per rank. With several stages per rank it
+    fails in the steady phases of interleaved-1f1b (M >= 2P) and zbv (M > 1): a rank sends a
+    neighbour messages of two stages in an order the neighbour does not consume them in (ZB-V's
+    F and I cross), and with tags ignored the receives must follow the sender's order;
+    ``check_communication`` then names the crossing messages (kept for the test that shows it).
+    """
+    order, where, P = schedule.ranks[rank], schedule.placement, schedule.num_stages
+    exchanges = {}
+    for i in range(len(order) + 1):
+        previous = order[i - 1] if i else None
+        action = order[i] if i < len(order) else None
+        if ops := exchange_ops(previous, action, P, where):
+            exchanges[i] = ops
+    return with_collectives(order, exchanges, global_clip, drain_points)
+
+
+def with_collectives(
+    order: Sequence[Action],
+    exchanges: Mapping[int, Sequence[CommOp]],
+    global_clip: bool,
+    drain_points: Collection[int],
+) -> list[Batch]:
+    """The batches in posting order. At each position i: the drain point that action i-1 closes
+    (the rank's last STEP of a step in ``drain_points``), then the point-to-point batch
+    ``exchanges[i]``, then with ``global_clip`` the gather before the rank's first STEP of a
+    step (after the exchange that ships the last gradient's send)."""
     first_step: dict[int, int] = {}  # step -> position of the rank's first STEP of it
     last_step: dict[int, int] = {}
     for pos, a in enumerate(order):
         if a.kind == STEP:
             first_step.setdefault(a.number, pos)
             last_step[a.number] = pos
+    batches = []
     for i in range(len(order) + 1):
         previous = order[i - 1] if i else None
         action = order[i] if i < len(order) else None
@@ -134,9 +174,8 @@ def rank_batches(
             and last_step[previous.number] == i - 1
         ):
             batches.append(Batch(i, (CommOp(DRAIN, -1, previous),)))
-        ops = exchange_ops(previous, action, P, where)
-        if ops:
-            batches.append(Batch(i, ops))
+        if exchanges.get(i):
+            batches.append(Batch(i, tuple(exchanges[i])))
         if global_clip and action is not None and first_step.get(action.number) == i:
             batches.append(Batch(i, (CommOp(GATHER, -1, action),)))
     return batches
@@ -182,7 +221,12 @@ def check_communication(
 ) -> list[list[Batch]]:
     """Replay every rank's batches under the rules above; return them, or raise
     ``CommDeadlock`` naming the mismatch or the cycle of waiting ranks."""
-    plans = [planner(schedule, r, global_clip, drain_points) for r in range(schedule.num_ranks)]
+    if planner is rank_batches and schedule.placement.stages_per_rank > 1:
+        from nobubble.core.sender_order import sender_order_plans
+
+        plans = sender_order_plans(schedule, global_clip, drain_points)  # every rank's at once
+    else:
+        plans = [planner(schedule, r, global_clip, drain_points) for r in range(schedule.num_ranks)]
     partner = _match(plans)
     _replay(schedule, plans, partner)
     return plans

@@ -14,7 +14,7 @@ that shape, and so on down the pipeline (one forward per stage, no gradient).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from nobubble.core.comm import GATHER, RECV, SEND, Batch, check_communication
 from nobubble.core.ir import STEP, Action, F, Schedule
+from nobubble.core.placement import Placement, one_per_rank
 from nobubble.distributed.transport import (
     EVAL_TAG_BASE,
     DistTransport,
@@ -40,9 +41,11 @@ Spec = tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]  # treespec, leaf s
 MAX_LEAVES = 1024  # evaluation tags: one per boundary leaf of a micro-batch
 
 
-def join(num_stages: int, stages: Sequence[nn.Module]) -> int:
+def join(num_stages: int, stages: Sequence[nn.Module], placement: Placement | None = None) -> int:
     """Join (or start, from torchrun's environment) the process group; this process's rank,
-    which is the stage it runs. The world must hold one process per stage."""
+    which runs the stages ``placement`` gives it (default: stage r). The world must hold one
+    process per rank."""
+    where = placement or one_per_rank(num_stages)
     if not dist.is_initialized():
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
@@ -52,25 +55,27 @@ def join(num_stages: int, stages: Sequence[nn.Module]) -> int:
                 f"runtime='dist' needs a process group: start the script with torchrun "
                 f"(--nproc-per-node {num_stages}) or set {', '.join(missing)}"
             )
-        device = next(stages[int(os.environ["RANK"])].parameters()).device
+        device = next(stages[where.stages_of(int(os.environ["RANK"]))[0]].parameters()).device
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=600))
-    world = dist.get_world_size()
-    if world != num_stages:
+    world, ranks = dist.get_world_size(), where.num_ranks
+    if world != ranks:
+        per = "one stage" if ranks == num_stages else f"{num_stages // ranks} stages"
         raise ValueError(
-            f"runtime='dist' runs one stage per process: the world holds {world} processes for "
-            f"{num_stages} stages; start {num_stages} processes"
+            f"runtime='dist' runs {per} per process: the world holds {world} processes for "
+            f"{num_stages} stages; start {ranks} processes"
         )
     return dist.get_rank()
 
 
-def release_others(stages: list[torch.nn.Module], rank: int) -> None:
-    """Free the weights of the stages other ranks run, keeping every tensor this rank's stage
-    shares with them (a Hugging Face model's stages share its rotary tables, for one)."""
-    own = stages[rank]
-    kept = {id(t) for t in [*own.parameters(), *own.buffers()]}
+def release_others(stages: list[torch.nn.Module], keep: int | Collection[int]) -> None:
+    """Free the weights of the stages other ranks run, keeping every tensor of the stages in
+    ``keep`` (this rank's: one stage index, or several), also where other stages share it (a
+    Hugging Face model's stages share its rotary tables, for one)."""
+    own = {keep} if isinstance(keep, int) else set(keep)
+    kept = {id(t) for s in own for t in [*stages[s].parameters(), *stages[s].buffers()]}
     for s, stage in enumerate(stages):
-        if s == rank:
+        if s in own:
             continue
         for module in stage.modules():
             for name, p in module._parameters.items():
@@ -110,32 +115,38 @@ def _spec(value: Any) -> Spec:
 
 class TreeTransport(DistTransport):
     """``DistTransport`` for boundaries of several tensors: a message is the list of its leaves,
-    one point-to-point operation each, all in the batch the plan puts it in."""
+    one point-to-point operation each, all in the batch the plan puts it in. ``in_specs`` are
+    the boundaries this rank's stages receive from other ranks (by receiving stage),
+    ``out_specs`` those they send to other ranks (by sending stage; their gradients come back
+    with the floating leaves). A receive the plan posts before its consumer's turn keeps its
+    leaves in ``leaves_in`` until the consumer takes them."""
 
     def __init__(
         self,
         batches: Sequence[Batch],
-        in_spec: Spec | None,
-        out_spec: Spec | None,
+        in_specs: dict[int, Spec],
+        out_specs: dict[int, Spec],
         device: torch.device,
         num_stages: int,
         start_position: int,
         timeout_s: float,
         ties: Sequence[Tie] = (),
+        placement: Placement | None = None,
     ) -> None:
-        super().__init__(batches, (), torch.float32, device, num_stages, start_position, timeout_s)
-        self.in_spec, self.out_spec = in_spec, out_spec
+        super().__init__(
+            batches, (), torch.float32, device, num_stages, start_position, timeout_s, placement
+        )
+        self.in_specs, self.out_specs = in_specs, out_specs
         self.ties = list(ties)  # the pipeline's tied pairs (exec/worker.py), for ``gather``
         self.tied_shares: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.leaves_out: dict[Action, list[torch.Tensor]] = {}  # handed over, not posted yet
         self.leaves_in: dict[Action, tuple[Handle, list[torch.Tensor]]] = {}  # receives posted
-        self.in_tree = None if in_spec is None else pytree.treespec_loads(in_spec[0])
-        # the gradients coming back are those of this stage's floating output leaves
-        self.grad_leaves = (
-            []
-            if out_spec is None
-            else [(shape, dtype) for shape, dtype in out_spec[1] if dtype.is_floating_point]
-        )
+        self.in_trees = {s: pytree.treespec_loads(spec[0]) for s, spec in in_specs.items()}
+        # the gradients coming back are those of the sending stage's floating output leaves
+        self.grad_leaves = {
+            s: [(shape, dtype) for shape, dtype in spec[1] if dtype.is_floating_point]
+            for s, spec in out_specs.items()
+        }
 
     def replan(self, batches: Sequence[Batch]) -> None:
         """A longer (or drained) schedule: the batches not posted yet come from its plan."""
@@ -150,11 +161,10 @@ class TreeTransport(DistTransport):
         self.leaves_out[producer] = [t.contiguous() for t in leaves]
 
     def _buffers(self, message: Action) -> list[torch.Tensor]:
-        if message.kind == F:
-            assert self.in_spec is not None, "stage 0 receives no activation"
-            leaves = self.in_spec[1]
-        else:
-            leaves = self.grad_leaves
+        if message.kind == F:  # stage s's output, the input of stage s+1 (on this rank)
+            leaves = self.in_specs[message.stage + 1][1]
+        else:  # the gradient of stage s's input, for stage s-1's output
+            leaves = self.grad_leaves[message.stage - 1]
         return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in leaves]
 
     def _post_point_to_point(self, position: int) -> None:
@@ -192,12 +202,11 @@ class TreeTransport(DistTransport):
 
     def recv(self, producer: Action, dst_stage: int) -> Any:
         handle, leaves = self.leaves_in.pop(producer)
-        self.peer_of_last_wait = producer.stage
-        handle.wait(self.timeout_s, f"the receive of {producer} from rank {producer.stage}")
+        self.peer_of_last_wait = peer = self.placement.rank_of(producer.stage)
+        handle.wait(self.timeout_s, f"the receive of {producer} from rank {peer}")
         self.peer_of_last_wait = None
         if producer.kind == F:
-            assert self.in_tree is not None
-            return pytree.tree_unflatten(leaves, self.in_tree)
+            return pytree.tree_unflatten(leaves, self.in_trees[dst_stage])
         return pack_grads(leaves)
 
     def contribute(self, step: int, stage: int, value: Any) -> None:
@@ -246,22 +255,28 @@ class StrictTreeTransport(TreeTransport, StrictTransport):
 
 
 class RankRunner:
-    """Runs this rank's actions of the pipeline's schedule (the emulator's face, one rank)."""
+    """Runs this rank's actions of the pipeline's schedule (the emulator's face, one rank):
+    ``workers`` are its stages, one, or several in interleaved and V placements."""
 
-    def __init__(self, pipe: Any, worker: StageWorker, start_step: int = 0) -> None:
-        self.pipe, self.worker = pipe, worker
-        self.rank, self.num_stages = worker.stage, pipe.num_stages
+    def __init__(self, pipe: Any, workers: Sequence[StageWorker], start_step: int = 0) -> None:
+        self.pipe, self.workers = pipe, list(workers)
+        self.worker = self.workers[0]
+        self.rank, self.num_stages = pipe.rank, pipe.num_stages
         self.schedule: Schedule = pipe.schedule
-        self.pointer = [0] * self.num_stages
+        self.placement = self.schedule.placement
+        self.by_stage = {w.stage: w for w in self.workers}
+        self.pointer = [0] * self.placement.num_ranks
         if start_step:
-            order = self.schedule.ranks[self.rank]
-            self.pointer[self.rank] = 1 + next(
-                i for i, a in enumerate(order) if a.kind == STEP and a.number == start_step
-            )
+            self.pointer[self.rank] = self._after_step(start_step)
         self.transport: TreeTransport | None = None
         self.interpreter: Interpreter | None = None
         self.current: Action | None = None  # the action being run (failure messages name it)
-        self.objects = _objects_group(worker.device)
+        self.objects = _objects_group(self.worker.device)
+
+    def _after_step(self, step: int) -> int:
+        """The position after this rank's last STEP of ``step`` (one per local stage)."""
+        order = self.schedule.ranks[self.rank]
+        return 1 + max(i for i, a in enumerate(order) if a.kind == STEP and a.number == step)
 
     def _plan(self) -> list[Batch]:
         plans = check_communication(self.schedule, self.pipe.meets, self.pipe.drains)
@@ -272,49 +287,62 @@ class RankRunner:
         if self.transport is not None:
             self.transport.replan(self._plan())
 
+    def _remote(self, stage: int) -> bool:
+        return self.placement.rank_of(stage) != self.rank
+
     # ----- shapes, once -------------------------------------------------------------------------
     def _agree(self) -> None:
-        """Agree on the boundary specs down the pipeline (module docstring), then build the
-        transport."""
-        worker, rank = self.worker, self.rank
-        in_spec: Spec | None = None
-        if rank == 0:
-            inputs = worker._to_device(self.pipe.batches[min(self.pipe.batches)][0])
-        else:
-            box: list[Any] = [None]
-            dist.recv_object_list(box, src=rank - 1, group=self.objects)
-            in_spec = box[0]
-            assert in_spec is not None
-            flat = [
-                torch.zeros(shape, dtype=dtype, device=worker.device) for shape, dtype in in_spec[1]
-            ]
-            inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(in_spec[0]))
-        out_spec: Spec | None = None
-        if rank < self.num_stages - 1:
+        """Agree on the boundary specs down the pipeline (module docstring), stage by stage:
+        this rank's stages in pipeline order, a hop to a stage of its own without a message.
+        Then build the transport."""
+        in_specs: dict[int, Spec] = {}
+        out_specs: dict[int, Spec] = {}
+        handed: Any = None  # the previous local stage's output
+        for stage, worker in sorted(self.by_stage.items()):
+            if stage == 0:
+                inputs = worker._to_device(self.pipe.batches[min(self.pipe.batches)][0])
+            elif not self._remote(stage - 1):
+                inputs = handed
+            else:
+                box: list[Any] = [None]
+                dist.recv_object_list(
+                    box, src=self.placement.rank_of(stage - 1), group=self.objects
+                )
+                in_specs[stage] = spec = box[0]
+                flat = [
+                    torch.zeros(shape, dtype=dtype, device=worker.device)
+                    for shape, dtype in spec[1]
+                ]
+                inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(spec[0]))
+            if stage == self.num_stages - 1:
+                continue
             args, kwargs = call_args(inputs)
             with torch.no_grad(), worker.autocast():
-                out = worker.module(*args, **kwargs)
-            out_spec = _spec(out)
-            if not differentiable(out):
-                raise TypeError(f"stage {rank} output holds no floating tensor to train through")
-            dist.send_object_list([out_spec], dst=rank + 1, group=self.objects)
+                handed = worker.module(*args, **kwargs)
+            if not differentiable(handed):
+                raise TypeError(f"stage {stage} output holds no floating tensor to train through")
+            if self._remote(stage + 1):
+                out_specs[stage] = _spec(handed)
+                dst = self.placement.rank_of(stage + 1)
+                dist.send_object_list([out_specs[stage]], dst=dst, group=self.objects)
         # nobubble train's runtime sets these before the first step: spans recorded on its
         # clock, and NCCL's completion rules on any backend (--strict-p2p)
         options = self.pipe.runner_options
         kind = StrictTreeTransport if options.get("strict") else TreeTransport
         self.transport = kind(
             self._plan(),
-            in_spec,
-            out_spec,
-            worker.device,
+            in_specs,
+            out_specs,
+            self.worker.device,
             self.num_stages,
-            self.pointer[rank],
+            self.pointer[self.rank],
             self.pipe.timeout,
             self.pipe.ties,
+            self.placement,
         )
         clock = {"clock": options["clock"]} if "clock" in options else {}
         self.interpreter = Interpreter(
-            [worker],
+            self.workers,
             self.transport,
             self.num_stages,
             self.pipe.meets,
@@ -326,33 +354,44 @@ class RankRunner:
     def evaluate(self, pieces: list[tuple[Any, Any]]) -> list[torch.Tensor] | None:
         """Forwards of ``pieces`` stage to stage, at a drain point (nothing else is posted, so
         these blocking transfers cannot cross training's). Each boundary's structure travels
-        as a small object first: an evaluation batch may be shaped unlike training's."""
-        worker, rank, last = self.worker, self.rank, self.num_stages - 1
+        as a small object first: an evaluation batch may be shaped unlike training's. The rank
+        of the last stage returns the losses, the others None."""
+        last = self.num_stages - 1
         losses = []
         for i, (x, y) in enumerate(pieces):
-            tag = EVAL_TAG_BASE + i * MAX_LEAVES
-            if rank == 0:
-                inputs = x
-            else:
-                box: list[Any] = [None]
-                dist.recv_object_list(box, src=rank - 1, group=self.objects)
-                treespec, leaves = box[0]
-                flat = [torch.empty(sh, dtype=dt, device=worker.device) for sh, dt in leaves]
-                works = [dist.irecv(t, rank - 1, tag=tag + k) for k, t in enumerate(flat)]
-                self._wait(works, f"the evaluation input {i} from rank {rank - 1}")
-                inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(treespec))
-            out = worker.infer(inputs, y if rank == last else None)
-            if rank == last:
-                losses.append(out)
-                continue
-            spec = _spec(out)
-            if len(spec[1]) > MAX_LEAVES:
-                raise ValueError(f"stage {rank} output has more than {MAX_LEAVES} tensors")
-            dist.send_object_list([spec], dst=rank + 1, group=self.objects)
-            flat_out = [t.contiguous() for t in pytree.tree_leaves(out)]
-            works = [dist.isend(t, rank + 1, tag=tag + k) for k, t in enumerate(flat_out)]
-            self._wait(works, f"the evaluation output {i} to rank {rank + 1}")
-        return losses if rank == last else None
+            handed: Any = None
+            for stage, worker in sorted(self.by_stage.items()):
+                tag = EVAL_TAG_BASE + (i * self.num_stages + stage) * MAX_LEAVES
+                if stage == 0:
+                    inputs = x
+                elif not self._remote(stage - 1):
+                    inputs = handed
+                else:
+                    src = self.placement.rank_of(stage - 1)
+                    box: list[Any] = [None]
+                    dist.recv_object_list(box, src=src, group=self.objects)
+                    treespec, leaves = box[0]
+                    flat = [torch.empty(sh, dtype=dt, device=worker.device) for sh, dt in leaves]
+                    works = [dist.irecv(t, src, tag=tag + k) for k, t in enumerate(flat)]
+                    self._wait(works, f"the evaluation input {i} of stage {stage} from rank {src}")
+                    inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(treespec))
+                handed = worker.infer(inputs, y if stage == last else None)
+                if stage == last:
+                    losses.append(handed)
+                elif self._remote(stage + 1):
+                    self._send_evaluation(handed, i, stage + 1)
+        return losses if last in self.by_stage else None
+
+    def _send_evaluation(self, out: Any, i: int, stage: int) -> None:
+        dst = self.placement.rank_of(stage)
+        spec = _spec(out)
+        if len(spec[1]) > MAX_LEAVES:
+            raise ValueError(f"stage {stage - 1} output has more than {MAX_LEAVES} tensors")
+        dist.send_object_list([spec], dst=dst, group=self.objects)
+        tag = EVAL_TAG_BASE + (i * self.num_stages + stage) * MAX_LEAVES
+        flat_out = [t.contiguous() for t in pytree.tree_leaves(out)]
+        works = [dist.isend(t, dst, tag=tag + k) for k, t in enumerate(flat_out)]
+        self._wait(works, f"the evaluation output {i} of stage {stage - 1} to rank {dst}")
 
     def _wait(self, works: list[Any], what: str) -> None:
         Handle(works, self.worker.device.type == "cuda").wait(self.pipe.timeout, what)
@@ -375,16 +414,14 @@ class RankRunner:
             self.pointer[self.rank] = i
 
     def run(self, until_step: int) -> None:
-        """Run through this rank's STEP ``until_step`` (a drain point), then finish the sends."""
+        """Run through this rank's STEPs ``until_step`` (a drain point), then finish the sends."""
         if self.transport is None:
             self._agree()
         assert self.transport is not None
         order, i = self.schedule.ranks[self.rank], self.pointer[self.rank]
-        while i < len(order):
-            action = order[i]
-            self._execute(action)
+        stop = self._after_step(until_step)
+        while i < stop:
+            self._execute(order[i])
             i += 1
             self.pointer[self.rank] = i
-            if action.kind == STEP and action.number == until_step:
-                break
         self.transport.flush()

@@ -107,7 +107,7 @@ def _check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGro
 class RankRun:
     def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
-        self.rank, self.last = env.rank, env.world_size - 1
+        self.rank = env.rank
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
         self.objects = dist.new_group(backend="gloo") if device.type == "cuda" else None
         _check_same_config(cfg, env.world_size, self.objects)
@@ -126,19 +126,25 @@ class RankRun:
         if self.rank == 0:
             self._barrier()
         self.plan = make_plan(cfg, self.data.vocab_size)
+        placement = self.plan.schedule.placement
+        self.local = placement.stages_of(self.rank)  # one stage, or v (interleaved, V)
+        # the rank of the last stage holds the loss: it writes the metrics (rank 0 in a V)
+        self.last = placement.rank_of(cfg.model_stages - 1)
         stages = make_model(self.plan).stages
-        stages[self.rank] = stages[self.rank].to(self.device)
+        for s in self.local:
+            stages[s] = stages[s].to(self.device)
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
         # What every rank will post is checked to complete under NCCL's rules before any step.
         check_communication(self.plan.schedule, self.pipe.meets, self.plan.drain_points)
-        release_others(stages, self.rank)
-        self.worker = self.pipe.workers[0]
+        release_others(stages, self.local)
         if manifest is not None:
-            part = load_part(self.run_dir, manifest, self.rank, self.device)
-            self.pipe.load_stage_parts(self.start_step, [part])
-            self.worker = self.pipe.workers[0]
-            wrong = misplaced(self.worker.state_dict(), self.device)
-            assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
+            parts = [load_part(self.run_dir, manifest, s, self.device) for s in self.local]
+            self.pipe.load_stage_parts(self.start_step, parts)
+            for worker in self.pipe.workers:
+                wrong = misplaced(worker.state_dict(), self.device)
+                assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
+        self.workers = self.pipe.workers
+        self.worker = self.workers[0]
         # spans from CUDA events on a GPU (the host clock would time the kernel launches), else
         # the wall clock, comparable across the processes of one machine
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
@@ -146,7 +152,7 @@ class RankRun:
         self.pipe.on_step = self._on_step
         self.bar: Any = None
         self.losses: dict[int, float] = {}  # micro-batch -> loss (last rank)
-        self.grad_norms: dict[int, float] = {}  # step -> this stage's gradient norm
+        self.grad_norms: dict[int, list[float]] = {}  # step -> norm of each local stage
         self.step_times: dict[int, float] = {}
         self.records: list[dict[str, Any]] = []
         self.segment_start = 0  # spans since the last drain point
@@ -219,12 +225,13 @@ class RankRun:
         self.clock.settle(self.interpreter)  # a GPU's spans become seconds here
 
     def _on_step(self, number: int) -> None:
+        if number not in self.step_times:  # a rank with several stages takes a STEP for each
+            self.bar.update(1)
         self.step_times[number] = time.time()
-        self.bar.update(1)
 
     def _collect(self, result: StepResult) -> None:
         self.losses.update({item.microbatch: item.value for item in result.losses})
-        self.grad_norms.update({step: norms[0] for step, norms in result.grad_norms.items()})
+        self.grad_norms.update(result.grad_norms)
 
     def _barrier(self) -> None:
         dist.barrier(group=self.objects)
@@ -238,6 +245,7 @@ class RankRun:
         segment = self.interpreter.spans[self.segment_start :]
         self.segment_start = len(self.interpreter.spans)
         mine = {
+            "stages": self.local,
             "grad_norms": self.grad_norms,
             "times": self.step_times,
             "spans": [(str(a), s, e) for a, s, e in segment],
@@ -252,13 +260,14 @@ class RankRun:
         every = self.cfg.checkpoint_every
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
-            save_part(staging_dir(self.run_dir, step), self.rank, self.worker.state_dict())
+            for worker in self.workers:
+                save_part(staging_dir(self.run_dir, step), worker.stage, worker.state_dict())
             self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
                 finalize(
                     self.run_dir,
                     step,
-                    self.cfg.stages,
+                    self.cfg.model_stages,
                     self.cfg.fingerprint(),
                     {"elapsed_s": self.records[-1]["elapsed_s"]},
                 )
@@ -283,7 +292,7 @@ class RankRun:
                 "lr": self.worker.lr_of(j),
                 "tokens": j * self.cfg.tokens_per_step,
                 "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
-                "grad_norm": [g["grad_norms"][j] for g in gathered],
+                "grad_norm": _by_stage(gathered, [g["grad_norms"][j] for g in gathered]),
             }
             if j == step:  # the drain point: validation and the segment's measured timeline
                 record["val_loss"] = val_loss
@@ -324,13 +333,15 @@ class RankRun:
         return float(read_manifest(self.run_dir).get("elapsed_s", 0.0))
 
     def _finish(self) -> RunResult | None:
-        w = self.worker
         mine = {
+            "stages": self.local,
             "spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
             "comm": [(k, str(a), s, e) for k, a, s, e in self.interpreter.comm],
-            "peaks": (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live),
+            "peaks": [
+                (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live) for w in self.workers
+            ],
             "state": (
-                {k: v.cpu() for k, v in w.module.state_dict().items()}
+                {k: v.cpu() for w in self.workers for k, v in w.module.state_dict().items()}
                 if self.cfg.sample_tokens
                 else {}
             ),
@@ -340,6 +351,15 @@ class RankRun:
         if self.rank != self.last:
             return None
         return write_outputs(self, gathered)
+
+
+def _by_stage(gathered: list[dict[str, Any]], values: list[list[Any]]) -> list[Any]:
+    """Each rank's ``values`` (one per local stage, as in its gathered ``stages``), in stage
+    order."""
+    found: dict[int, Any] = {}
+    for g, per_stage in zip(gathered, values, strict=True):
+        found.update(zip(g["stages"], per_stage, strict=True))
+    return [found[s] for s in sorted(found)]
 
 
 def _lane(spans: list[tuple[str, float, float]]) -> list[tuple[Action, float, float]]:
@@ -387,7 +407,7 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
         text = sample_from_state(run.plan, state, run.data)
         if text is not None:
             (run.run_dir / "sample.txt").write_text(text + "\n")
-    peaks = [g["peaks"] for g in gathered]
+    peaks = _by_stage(gathered, [g["peaks"] for g in gathered])
     summary = run_summary(run.cfg, run.records, peaks, text)
     summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -465,6 +485,11 @@ def _close(run: RankRun | None) -> None:
         run.transport.close()  # its stream thread ends here, not at interpreter exit
 
 
+def _stages_text(run: RankRun | None, rank: int) -> str:
+    local = getattr(run, "local", (rank,))
+    return f"stage {local[0]}" if len(local) == 1 else "stages " + ", ".join(map(str, local))
+
+
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:
     where = "during setup"
     if run is not None and getattr(run, "meeting", None) is not None:
@@ -488,7 +513,7 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
     )
     log.debug("rank %d failed", env.rank, exc_info=err)  # the traceback, with -v
     print(
-        f"nobubble: rank {env.rank} (stage {env.rank}) failed {where}: "
+        f"nobubble: rank {env.rank} ({_stages_text(run, env.rank)}) failed {where}: "
         f"{type(err).__name__}: {err}; {resume}",
         file=sys.stderr,
         flush=True,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from nobubble.core.comm import COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch
 from nobubble.core.ir import Action
-from nobubble.core.placement import rank_of
+from nobubble.core.placement import Placement, one_per_rank, rank_of
 from nobubble.optim import sum_over_stages
 
 # Evaluation traffic (blocking send/recv at drain points, when nothing else is pending).
@@ -84,10 +84,14 @@ class DistTransport:
         num_stages: int,
         start_position: int = 0,
         timeout_s: float = 600.0,
+        placement: Placement | None = None,
     ) -> None:
         self.batches = list(batches)
         self.shape, self.dtype, self.device, self.num_stages = shape, dtype, device, num_stages
         self.timeout_s = timeout_s
+        # which rank runs which stage (None: stage s on rank s); the world is its ranks
+        self.placement = placement or one_per_rank(num_stages)
+        self.num_ranks = self.placement.num_ranks
         self.on_cuda = device.type == "cuda"
         self.cursor = next(
             (k for k, b in enumerate(self.batches) if b.position >= start_position),
@@ -97,7 +101,8 @@ class DistTransport:
         self.outgoing: dict[Action, torch.Tensor] = {}  # handed over, waiting for its batch
         self.posted: dict[Action, tuple[Handle, torch.Tensor]] = {}  # receives in flight
         self.sending: list[tuple[Handle, torch.Tensor, Action]] = []  # sends in flight
-        self.shares: dict[int, torch.Tensor] = {}
+        self.shares: dict[int, dict[int, torch.Tensor]] = {}  # step -> local stage -> share
+        self.reduced: dict[int, tuple[torch.Tensor, int]] = {}  # step -> (sum, reads left)
         self.peer_of_last_wait: int | None = None
 
     # ----- the plan -------------------------------------------------------------------------
@@ -141,7 +146,7 @@ class DistTransport:
         return Handle(dist.batch_isend_irecv(ops), self.on_cuda)
 
     def _all_gather(self, share: torch.Tensor) -> tuple[Handle, list[torch.Tensor]]:
-        parts = [torch.empty_like(share) for _ in range(self.num_stages)]
+        parts = [torch.empty_like(share) for _ in range(self.num_ranks)]
         return Handle([dist.all_gather(parts, share, async_op=True)], self.on_cuda), parts
 
     def _reap(self) -> None:
@@ -158,23 +163,40 @@ class DistTransport:
 
     def recv(self, producer: Action, dst_stage: int) -> torch.Tensor:
         handle, buffer = self.posted.pop(producer)
-        self.peer_of_last_wait = rank_of(producer.stage)
-        handle.wait(self.timeout_s, f"the receive of {producer} from rank {producer.stage}")
+        self.peer_of_last_wait = peer = rank_of(producer.stage, self.placement)
+        handle.wait(self.timeout_s, f"the receive of {producer} from rank {peer}")
         self.peer_of_last_wait = None
         return buffer
 
     def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
-        self.shares[step] = value.detach().to(self.device, torch.float64).reshape(1)
+        share = value.detach().to(self.device, torch.float64).reshape(1)
+        self.shares.setdefault(step, {})[stage] = share
 
     def reduce(self, step: int, stage: int) -> torch.Tensor:
-        """Every stage's share, gathered and added in stage order (bitwise the emulator's)."""
+        """Every stage's share, gathered and added in stage order (bitwise the emulator's).
+        A rank with several stages gathers once, at its first STEP of the step (the plan's
+        gather), as a vector of its stages' shares; its other STEPs read the same sum."""
+        if step in self.reduced:
+            total, reads = self.reduced.pop(step)
+            if reads > 1:
+                self.reduced[step] = total, reads - 1
+            return total
         batch = self._next_batch(self.position)
         assert batch is not None and batch.ops[0].kind == GATHER, f"plan has no gather at {step}"
         assert batch.ops[0].message.number == step, f"plan gathers {batch.ops[0]}, not step {step}"
         self.cursor += 1
-        handle, parts = self._all_gather(self.shares.pop(step))
+        mine = self.shares.pop(step)
+        handle, parts = self._all_gather(torch.cat([mine[s] for s in sorted(mine)]))
         handle.wait(self.timeout_s, f"the gradient-norm gather of step {step}")
-        return sum_over_stages(parts)
+        where = self.placement
+        by_stage = [
+            parts[where.rank_of(s)][where.stages_of(where.rank_of(s)).index(s)]
+            for s in range(self.num_stages)
+        ]
+        total = sum_over_stages(by_stage)
+        if len(mine) > 1:
+            self.reduced[step] = total, len(mine) - 1
+        return total
 
     def flush(self) -> None:
         """Wait for every send to complete (at a drain point, which follows a STEP: the plan
@@ -218,7 +240,7 @@ class StrictTransport(DistTransport):
         return Handle([self._enqueue(lambda: dist.batch_isend_irecv(ops))], on_cuda=False)
 
     def _all_gather(self, share: torch.Tensor) -> tuple[Handle, list[torch.Tensor]]:
-        parts = [torch.empty_like(share) for _ in range(self.num_stages)]
+        parts = [torch.empty_like(share) for _ in range(self.num_ranks)]
         future = self._enqueue(lambda: [dist.all_gather(parts, share, async_op=True)])
         return Handle([future], on_cuda=False), parts
 

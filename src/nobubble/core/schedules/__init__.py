@@ -81,23 +81,22 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
-# What training runs: the emulator runs every schedule; the multi-process runtime one stage per
-# rank, fused or split backward (its message plan cannot order an interleaved or V pipeline yet).
+# What training runs: both runtimes run every schedule (a rank with several stages posts its
+# receives in the sender's order, core/sender_order.py).
 TRAINABLE = SCHEDULE_NAMES
-DIST_TRAINABLE = tuple(n for n, i in SCHEDULES.items() if i.placement == "one")
+DIST_TRAINABLE = SCHEDULE_NAMES
 
 
 def check_trainable(name: str, what: str | None = None, runtime: str = "emulate") -> None:
-    """Refuse a schedule the given runtime cannot train yet, naming what it lacks and what
-    works (``runtime``: "emulate", every stage in one process, or "dist")."""
-    info = schedule_info(name)
-    if name in (TRAINABLE if runtime != "dist" else DIST_TRAINABLE):
+    """Refuse a schedule the given runtime cannot train, naming what works (``runtime``:
+    "emulate", every stage in one process, or "dist")."""
+    schedule_info(name)  # an unknown name gets the list of known ones
+    runnable = TRAINABLE if runtime != "dist" else DIST_TRAINABLE
+    if name in runnable:
         return
     raise ScheduleError(
-        f"{what or '--schedule ' + name}: the multi-process runtime does not run "
-        f"several stages per rank ({info.placement} placement) yet; train it with the emulator "
-        "(runtime 'emulate', "
-        "`--runtime emulate`), or use one of " + ", ".join(DIST_TRAINABLE) + " with 'dist'"
+        f"{what or '--schedule ' + name}: runtime {runtime!r} cannot train it; use one of "
+        + ", ".join(runnable)
     )
 
 
