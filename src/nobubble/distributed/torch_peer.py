@@ -186,17 +186,19 @@ class PeerStage(nn.Module):
             return lm_loss(logits, targets)
 
 
-def peer_config(cfg: TrainConfig, schedule: str) -> TrainConfig:
+def peer_config(cfg: TrainConfig, schedule: str, virtual_stages: int | None = None) -> TrainConfig:
     """``cfg`` with the nobubble schedule whose placement and split ``schedule`` takes (sets
     global clipping and the stages per rank); its checks of (P, M, v) run here, named for the
-    torch schedule, before any process starts."""
+    torch schedule, before any process starts. ``virtual_stages``: v of the loop placements
+    (None: ``cfg``'s, else 2); ZBV always holds 2 stages per rank, the others 1."""
     if schedule not in TORCH_SCHEDULES:
         raise ValueError(
             f"--schedule {schedule!r} is not a torch.distributed.pipelining schedule; valid: "
             f"{', '.join(TORCH_SCHEDULES)}"
         )
     cls, name = TORCH_SCHEDULES[schedule]
-    virtual = cfg.virtual_stages if SCHEDULES[name].placement == "loop" else None
+    loop = SCHEDULES[name].placement == "loop"
+    virtual = (virtual_stages or cfg.virtual_stages) if loop else None
     try:
         # runtime "emulate": torch's engine runs the peer, so nobubble's multi-process runtime
         # and what it cannot run yet (several stages per rank) do not apply
@@ -281,9 +283,7 @@ class PeerRun:
         args = (x.to(self.device),) if 0 in self.mine else ()
         if self.num_stages - 1 in self.mine:  # rank P-1, or rank 0 under a V
             losses: list[torch.Tensor] = []
-            self.schedule.step(
-                *args, target=y.to(self.device), losses=losses, return_outputs=False
-            )
+            self.schedule.step(*args, target=y.to(self.device), losses=losses, return_outputs=False)
             self.losses.append(sum(float(v.detach()) for v in losses) / len(losses))
         else:
             self.schedule.step(*args, return_outputs=False)
