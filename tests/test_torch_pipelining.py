@@ -210,7 +210,8 @@ out = {}
 for schedule in sys.argv[3].split(","):
     run = PeerRun(cfg, schedule, torch.device("cpu"))
     run.train()
-    out[schedule] = {"losses": run.losses, "stages": list(run.mine)}
+    kinds = sorted((a.stage, a.kind) for a, _, _ in run.spans)
+    out[schedule] = {"losses": run.losses, "stages": list(run.mine), "spans": kinds}
 with open(f"{sys.argv[2]}/peers-{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()
@@ -259,6 +260,7 @@ def peer_runs(steps3, tmp_path_factory) -> dict[str, dict]:
         name: {
             "losses": next(r[name]["losses"] for r in ranks if r[name]["losses"]),
             "stages": [r[name]["stages"] for r in ranks],
+            "spans": [[tuple(k) for k in r[name]["spans"]] for r in ranks],
         }
         for name in MULTI_PEERS
     }
@@ -299,6 +301,25 @@ def test_multi_stage_peer_losses_equal_the_emulator_bitwise(
     losses = peer_runs[peer]["losses"]
     assert len(losses) == 3 and losses[0] != losses[-1]  # it trains
     assert losses == emulated[twin]
+
+
+@pytest.mark.parametrize(
+    ("peer", "backward"),
+    [
+        ("torch-interleaved-1f1b", ("B",)),
+        ("torch-interleaved-zb", ("I", "W")),
+        ("torch-zbv", ("I", "W")),
+    ],
+)
+def test_multi_stage_peer_times_every_compute_action(steps3, peer_runs, peer, backward):
+    """The measured bubble of a torch peer rests on its spans: each stage of each rank notes
+    M forwards and M of each backward kind per step (split backward for the zero-bubble
+    ones), and one optimizer step."""
+    n, m = steps3.steps, steps3.microbatches
+    for stages, spans in zip(peer_runs[peer]["stages"], peer_runs[peer]["spans"], strict=True):
+        want = [(s, k) for s in stages for k in ("F", *backward) for _ in range(n * m)]
+        want += [(s, "STEP") for s in stages for _ in range(n)]
+        assert spans == sorted(want)
 
 
 def test_torch_peers_refuse_an_m_their_schedule_cannot_take(cfg):
@@ -346,16 +367,17 @@ def test_cli_names_every_torch_peer():
 
 
 def test_bench_runtime_runs_zero_bubble_variants_with_their_bubble(capsys, cfg):
-    """nobubble's zb-h1 (multi-process runtime) beside torch's ZBV: same loss, measured bubble
-    for nobubble's (torch's schedules record no compute spans), both cuts reported."""
+    """nobubble's zb-h1 (multi-process runtime) beside torch's ZBV: same loss, a measured bubble
+    for both (the peer notes torch's compute spans itself), both cuts reported."""
     from nobubble.cli import main
 
     argv = "bench runtime --model tiny --vocab-size 512 --seq-len 32 --micro-batch-size 2"
     argv += " --stages 2 --microbatches 4 --steps 2 --rounds 1 --schedule zb-h1,torch-zbv"
     assert main([*argv.split(), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert 0 < out["zb-h1"]["bubble"] < 1
-    assert out["torch-zbv"]["bubble"] is None
+    for variant in ("zb-h1", "torch-zbv"):
+        assert 0 < out[variant]["bubble"] < 1
+        assert len(out[variant]["utilization"]) == 2
     assert out["zb-h1"]["last_loss"] == pytest.approx(out["torch-zbv"]["last_loss"], rel=1e-6)
     assert all(b > 0 for b in out["torch-zbv"]["peak_activation_bytes"])
     assert out["config"]["partitions"].keys() == {"2", "4"}

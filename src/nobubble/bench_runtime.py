@@ -184,8 +184,8 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
         raise NobubbleError(f"{err}:\n{_tail(log)}") from None
     return {
         "tokens_per_s": result["tokens_per_s"],
-        "utilization": None,  # torch's schedules keep no compute timeline
-        "bubble": None,
+        "utilization": result["steady_utilization"],  # the peer's spans (CPU only)
+        "bubble": result["steady_bubble_share"],
         "peak_activation_bytes": result["peak_activation_bytes"],
         "last_loss": result["losses"][-1],
     }

@@ -28,14 +28,12 @@ process per rank; ``launch_peer`` starts them on one machine.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -58,13 +55,15 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from nobubble.assemble import load_data, make_model, make_plan
 from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
+from nobubble.core.ir import STEP, Action
 from nobubble.core.placement import Placement
 from nobubble.core.schedules import SCHEDULES
+from nobubble.core.sim.metrics import measured_utilization
 from nobubble.data import TokenData
 from nobubble.distributed.api import release_others
 from nobubble.distributed.launch import _watch, free_port, rank_env
+from nobubble.distributed.peer_stage import ActivationMeter, PeerStage, Span, TimedStage
 from nobubble.distributed.transport import shutdown
-from nobubble.model.gpt import lm_loss
 from nobubble.optim import (
     build_optimizer,
     clip_coefficient,
@@ -85,105 +84,6 @@ TORCH_SCHEDULES: dict[str, tuple[type[PipelineScheduleSingle | PipelineScheduleM
     "torch-interleaved-zb": (ScheduleInterleavedZeroBubble, "interleaved-1f1b"),
     "torch-zbv": (ScheduleZBVZeroBubble, "zbv"),
 }
-
-
-class ActivationMeter:
-    """Bytes autograd saves for backward per micro-batch (weights excluded), held until the
-    micro-batch's backward starts: nobubble's worker measures the same (``_count_saved``).
-    One meter per rank, shared by the rank's stages: its peaks are the rank's."""
-
-    def __init__(self, weights: list[torch.Tensor]) -> None:
-        self.weight_storages = {w.untyped_storage().data_ptr() for w in weights}
-        # bytes per (stage, micro-batch) forward in flight, keyed by opening order: a rank with
-        # several stages releases them out of order (the later stage's backward comes first)
-        self.held: dict[int, int] = {}
-        self.opened = 0
-        self.peak_inflight = 0
-        self.peak_bytes = 0
-
-    def saving(self, new: bool) -> tuple[int, contextlib.AbstractContextManager[Any]]:
-        """Count what autograd saves inside; ``new`` opens a micro-batch, else adds to the
-        newest (the loss, right after the last stage's forward). Returns the entry's key."""
-        if new:
-            self.opened += 1
-            self.held[self.opened] = 0
-        key = self.opened
-        seen: set[int] = set()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.weight_storages and ptr not in seen and key in self.held:
-                seen.add(ptr)
-                # min: a micro-batch split from the whole batch counts its own bytes only
-                self.held[key] += min(t.untyped_storage().nbytes(), t.numel() * t.element_size())
-                self._peaks()
-            return t
-
-        return key, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def reset(self) -> None:
-        """Forget everything so far. Called after the first step: torch's shape inference runs
-        one more forward on stage 0 whose backward never comes."""
-        self.held, self.peak_inflight, self.peak_bytes = {}, 0, 0
-
-    def _peaks(self) -> None:
-        self.peak_inflight = max(self.peak_inflight, len(self.held))
-        self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
-
-    def releaser(self, key: int) -> Callable[[torch.Tensor], None]:
-        """A hook for a stage output: its gradient arrives when the micro-batch's backward
-        (fused, or the input-gradient half of a split one) starts."""
-
-        def release(grad: torch.Tensor) -> None:
-            self.held.pop(key, None)
-
-        return release
-
-
-class PeerStage(nn.Module):
-    """A stage module (the internal GPT's or a Hugging Face model's) under torch's schedules,
-    its parameters under the same names; the last stage returns logits (torch applies the
-    loss), the others their hidden states in fp32."""
-
-    def __init__(
-        self,
-        stage: nn.Module,
-        is_last: bool,
-        meter: ActivationMeter,
-        autocast_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        for name, child in stage.named_children():  # the same parameter names as the stage's
-            self.add_module(name, child)
-        for name, param in stage.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        self.inner = [stage]  # a list: its modules are registered above, under their names
-        self.is_last, self.autocast_dtype = is_last, autocast_dtype
-        self.meter = meter
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        autocast = torch.autocast(
-            x.device.type,
-            dtype=self.autocast_dtype or torch.bfloat16,
-            enabled=self.autocast_dtype is not None,
-        )
-        # torch's shape inference runs one forward first (meta tensors past stage 0): not a
-        # micro-batch; stage 0's, on real ids, is dropped by meter.reset() after step 1
-        counted = not x.is_meta and torch.is_grad_enabled()
-        key, meter = self.meter.saving(new=True) if counted else (0, contextlib.nullcontext())
-        with autocast, meter:
-            out = self.inner[0](x)  # (B, T, V) logits or (B, T, D) hidden states
-            out = out if self.is_last else out.float()
-        if counted and out.requires_grad:
-            out.register_hook(self.meter.releaser(key))
-        return out
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """lm_loss, its saved tensors counted with the micro-batch's (as in StageModule)."""
-        if logits.is_meta or not torch.is_grad_enabled():
-            return lm_loss(logits, targets)
-        with self.meter.saving(new=False)[1]:
-            return lm_loss(logits, targets)
 
 
 def peer_config(cfg: TrainConfig, schedule: str, virtual_stages: int | None = None) -> TrainConfig:
@@ -256,10 +156,13 @@ class PeerRun:
         self.optimizers = [
             build_optimizer(self.optim_cfg, list(m.named_parameters())) for m in self.modules
         ]
-        pipe: list[_PipelineStageBase] = [
-            PipelineStage(m, s, self.num_stages, device)
+        self.spans: list[Span] = []  # this rank's compute, all its stages (CPU only)
+        spans = self.spans if device.type == "cpu" else []
+        self.pipe = [
+            TimedStage(m, s, self.num_stages, device, spans=spans)
             for s, m in zip(self.mine, self.modules, strict=True)
         ]
+        pipe: list[_PipelineStageBase] = list(self.pipe)
         cls = TORCH_SCHEDULES[schedule][0]
         self.m = self.cfg.num_microbatches
         loss = self.modules[-1].loss  # the shared meter's: any of the rank's modules counts alike
@@ -280,6 +183,8 @@ class PeerRun:
     def run_batch(self, j: int) -> None:
         """Forwards and backwards of batch j: the averaged gradient lands in ``.grad``."""
         x, y = batch_of(self.data, j, self.m, self.cfg.micro_batch_size)
+        for stage in self.pipe:
+            stage.first = j * self.m
         args = (x.to(self.device),) if 0 in self.mine else ()
         if self.num_stages - 1 in self.mine:  # rank P-1, or rank 0 under a V
             losses: list[torch.Tensor] = []
@@ -299,13 +204,16 @@ class PeerRun:
         norm = math.sqrt(float(sum_over_stages(list(shares))))
         if not math.isfinite(norm):
             raise FloatingPointError(f"rank {self.rank}, step {j + 1}: non-finite gradients")
-        for module, optimizer in zip(self.modules, self.optimizers, strict=True):
+        for s, module, optimizer in zip(self.mine, self.modules, self.optimizers, strict=True):
+            start = time.time()  # the STEP span, as nobubble's: after the norm's all-reduce
             params = list(module.parameters())
             if self.optim_cfg.clip_norm is not None:
                 scale_grads_(params, clip_coefficient(norm, self.optim_cfg.clip_norm))
             optimizer.set_lr(lr_at(j, self.cfg.steps, self.optim_cfg))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cpu":
+                self.spans.append((Action(s, STEP, j + 1), start, time.time()))
 
     def train(self) -> list[float]:
         """All steps; the wall time at which this rank finished each, from a common start."""
@@ -326,6 +234,8 @@ def result_of(run: PeerRun, schedule: str, gathered: list[Any]) -> dict:
     cfg = run.cfg
     ends, peaks = [g[0] for g in gathered], [g[1] for g in gathered]
     losses = next(g[2] for g in gathered if g[2])
+    lanes = [[(Action.parse(a), s, e) for a, s, e in g[3]] for g in gathered]
+    util = measured_utilization(lanes) if all(lanes) else None
     end = [max(e[j] for e in ends) for j in range(cfg.steps)]  # a step ends on its last rank
     warm = max(1, cfg.steps // 10)  # the same steady window as nobubble's run_summary
     window = end[-1] - end[warm - 1]
@@ -341,6 +251,9 @@ def result_of(run: PeerRun, schedule: str, gathered: list[Any]) -> dict:
         "tokens_per_s": tokens / window if window > 0 else None,
         "step_times_s": [b - a for a, b in zip([0.0, *end[:-1]], end, strict=True)],
         "losses": losses,
+        # measured over the whole run from compute spans, as nobubble's summary (CPU only)
+        "steady_utilization": util["steady_utilization"] if util else None,
+        "steady_bubble_share": util["steady_bubble_share"] if util else None,
         "peak_inflight": [p[0] for p in peaks],
         "peak_activation_bytes": [p[1] for p in peaks],
         "backend": dist.get_backend(),
@@ -363,7 +276,8 @@ def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
         run = PeerRun(cfg, schedule, device)
         ends = run.train()
         meter = run.meter
-        mine = (ends, (meter.peak_inflight, meter.peak_bytes), run.losses)
+        spans = [(str(a), s, e) for a, s, e in run.spans]
+        mine = (ends, (meter.peak_inflight, meter.peak_bytes), run.losses, spans)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
         if rank == 0:
