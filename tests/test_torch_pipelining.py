@@ -193,10 +193,10 @@ def test_benchmark_peer_rejects_a_nobubble_schedule(cfg):
         peer_config(cfg, "paci")
 
 
-# ----- several stages per rank: the interleaved and zero-bubble peers ---------------------------
+# ----- the zero-bubble and interleaved peers (several stages per rank, split backwards) ---------
 # Runs on each of the 2 ranks: argv = config JSON, output folder. Each torch schedule trains the
 # config's steps from the same initial weights; the rank holding the last stage has the losses.
-MULTI_PEERS = ("torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
+NEW_PEERS = ("torch-zb-h1", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
 PEERS_SIDE = """
 import json, sys
 import torch, torch.distributed as dist
@@ -252,9 +252,9 @@ def steps3(cfg) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def peer_runs(steps3, tmp_path_factory) -> dict[str, dict]:
-    """Losses and stages per rank of each multi-stage torch peer, 3 steps on 2 ranks."""
+    """Losses, stages and compute spans per rank of each new torch peer, 3 steps on 2 ranks."""
     out = tmp_path_factory.mktemp("peers")
-    launch_script(PEERS_SIDE, [json.dumps(steps3.to_json()), str(out), ",".join(MULTI_PEERS)], out)
+    launch_script(PEERS_SIDE, [json.dumps(steps3.to_json()), str(out), ",".join(NEW_PEERS)], out)
     ranks = [json.loads((out / f"peers-{r}.json").read_text()) for r in range(2)]
     return {
         name: {
@@ -262,7 +262,7 @@ def peer_runs(steps3, tmp_path_factory) -> dict[str, dict]:
             "stages": [r[name]["stages"] for r in ranks],
             "spans": [[tuple(k) for k in r[name]["spans"]] for r in ranks],
         }
-        for name in MULTI_PEERS
+        for name in NEW_PEERS
     }
 
 
@@ -277,23 +277,24 @@ def emulator_losses(cfg: TrainConfig, schedule: str, out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def emulated(steps3, tmp_path_factory) -> dict[str, list[float]]:
     out = tmp_path_factory.mktemp("emulated")
-    return {s: emulator_losses(steps3, s, out) for s in ("interleaved-1f1b", "zbv")}
+    return {s: emulator_losses(steps3, s, out) for s in ("zb-h1", "interleaved-1f1b", "zbv")}
 
 
 @pytest.mark.parametrize(
     ("peer", "twin", "stages"),
     [
+        ("torch-zb-h1", "zb-h1", [[0], [1]]),
         ("torch-interleaved-1f1b", "interleaved-1f1b", [[0, 2], [1, 3]]),  # loop: r, r+P
         ("torch-interleaved-zb", "interleaved-1f1b", [[0, 2], [1, 3]]),
         ("torch-zbv", "zbv", [[0, 3], [1, 2]]),  # V: r, 2P-1-r
     ],
 )
-def test_multi_stage_peer_losses_equal_the_emulator_bitwise(
+def test_zero_bubble_and_interleaved_peer_losses_equal_the_emulator_bitwise(
     peer_runs, emulated, peer, twin, stages
 ):
-    """3 steps at P=2, M=4, v=2 (4 stages of one layer each), AdamW with global clipping: every
-    step's mean loss is bitwise nobubble's emulator's for the same cut (which equals plain
-    gradient accumulation, tests/test_zero_bubble_exec.py). Bitwise, not approximately: the
+    """3 steps at P=2, M=4, v=2 (4 stages of one layer each; zb-h1: 2 of two), AdamW with
+    global clipping: every step's mean loss is bitwise nobubble's emulator's for the same cut
+    (which equals plain gradient accumulation, tests/test_zero_bubble_exec.py). Bitwise: the
     per-rank orders are the same (test_zero_bubble's torch oracle), torch's division of the
     summed gradients by M=4 is exact as nobubble's 1/M per loss is (a power of two), and both
     sides add the stages' squared norms in stage order in float64."""
@@ -306,12 +307,15 @@ def test_multi_stage_peer_losses_equal_the_emulator_bitwise(
 @pytest.mark.parametrize(
     ("peer", "backward"),
     [
+        ("torch-zb-h1", ("I", "W")),
         ("torch-interleaved-1f1b", ("B",)),
         ("torch-interleaved-zb", ("I", "W")),
         ("torch-zbv", ("I", "W")),
     ],
 )
-def test_multi_stage_peer_times_every_compute_action(steps3, peer_runs, peer, backward):
+def test_zero_bubble_and_interleaved_peers_time_every_compute_action(
+    steps3, peer_runs, peer, backward
+):
     """The measured bubble of a torch peer rests on its spans: each stage of each rank notes
     M forwards and M of each backward kind per step (split backward for the zero-bubble
     ones), and one optimizer step."""

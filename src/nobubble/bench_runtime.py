@@ -5,7 +5,7 @@ this machine, for ``steps`` optimizer steps of M micro-batches of B sequences: n
 schedules through ``nobubble train --runtime dist`` (validation only after the last step, so
 the asynchronous schedules never drain before it; pipedream and paci step every M backwards,
 so that every variant applies the same tokens per step), torch's schedules (``TORCH_SCHEDULES``:
-GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble, ZBV) through
+GPipe, 1F1B, ZB-H1, interleaved 1F1B, interleaved zero-bubble, ZBV) through
 ``nobubble.distributed.torch_peer``. The schedules that hold several stages per rank
 (nobubble's interleaved-1f1b and zbv, torch's interleaved and ZBV) cut the model into v·P
 stages, v = ``virtual_stages`` for the interleaved ones (default 2) and 2 for the V ones, and
@@ -45,6 +45,7 @@ REFERENCES = ("1f1b", "torch-1f1b")  # the ratios' denominators, when they are b
 TORCH_TWINS = {
     "gpipe": "torch-gpipe",
     "1f1b": "torch-1f1b",
+    "zb-h1": "torch-zb-h1",
     "interleaved-1f1b": "torch-interleaved-1f1b",
     "zbv": "torch-zbv",
 }

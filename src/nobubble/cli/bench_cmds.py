@@ -15,6 +15,7 @@ from nobubble.core.sim import CostModel, simulate
 TORCH_PEERS = (
     "torch-gpipe",
     "torch-1f1b",
+    "torch-zb-h1",
     "torch-interleaved-1f1b",
     "torch-interleaved-zb",
     "torch-zbv",

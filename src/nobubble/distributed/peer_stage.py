@@ -139,6 +139,19 @@ class TimedStage(PipelineStage):
     def _note(self, kind: str, chunk: int, start: float) -> None:
         self.spans.append((Action(self.stage_index, kind, self.first + chunk), start, time.time()))
 
+    def loss_in_span(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` whose time joins the forward span just noted: torch computes the loss
+        right after ``forward_one_chunk``, nobubble's last stage inside its forward."""
+
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            value = loss_fn(logits, targets)
+            if self.spans and not logits.is_meta:
+                action, start, _ = self.spans[-1]
+                self.spans[-1] = (action, start, time.time())
+            return value
+
+        return loss
+
     def forward_one_chunk(
         self,
         fwd_chunk_id: int,

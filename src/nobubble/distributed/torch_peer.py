@@ -74,12 +74,14 @@ from nobubble.optim import (
 )
 
 # torch schedule -> (its class, the nobubble schedule whose placement, split and checks it takes).
-# The two zero-bubble ones split each backward into input and weight gradients (torch's
-# PipelineStage does that itself); ScheduleInterleavedZeroBubble has no nobubble twin at v >= 2
-# (zb-h1 is its v=1 order), so it takes interleaved-1f1b's loop placement and split.
+# The zero-bubble ones split each backward into input and weight gradients (torch's
+# PipelineStage does that itself). ScheduleInterleavedZeroBubble with one stage per rank is
+# zb-h1's order (torch-zb-h1); at v >= 2 it has no nobubble twin, so torch-interleaved-zb takes
+# interleaved-1f1b's loop placement and split.
 TORCH_SCHEDULES: dict[str, tuple[type[PipelineScheduleSingle | PipelineScheduleMulti], str]] = {
     "torch-gpipe": (ScheduleGPipe, "gpipe"),
     "torch-1f1b": (Schedule1F1B, "1f1b"),
+    "torch-zb-h1": (ScheduleInterleavedZeroBubble, "zb-h1"),
     "torch-interleaved-1f1b": (ScheduleInterleaved1F1B, "interleaved-1f1b"),
     "torch-interleaved-zb": (ScheduleInterleavedZeroBubble, "interleaved-1f1b"),
     "torch-zbv": (ScheduleZBVZeroBubble, "zbv"),
@@ -165,7 +167,8 @@ class PeerRun:
         pipe: list[_PipelineStageBase] = list(self.pipe)
         cls = TORCH_SCHEDULES[schedule][0]
         self.m = self.cfg.num_microbatches
-        loss = self.modules[-1].loss  # the shared meter's: any of the rank's modules counts alike
+        # the shared meter's: any of the rank's modules counts alike
+        loss = self.pipe[-1].loss_in_span(self.modules[-1].loss)
         if issubclass(cls, PipelineScheduleMulti):
             self.schedule: PipelineScheduleSingle | PipelineScheduleMulti = cls(
                 pipe, self.m, loss_fn=loss
