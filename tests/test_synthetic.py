@@ -59,7 +59,8 @@ def test_bench_runtime_reports_every_variant_with_its_figures_and_the_split(caps
         assert len(figures["peak_activation_bytes"]) == 2
         assert all(b > 0 for b in figures["peak_activation_bytes"])
     assert all(0 < u <= 1 for u in out["paci"]["utilization"])
-    assert out["torch-1f1b"]["utilization"] is None  # torch's schedules record no spans
+    # the peer notes torch's compute spans itself (distributed/peer_stage.TimedStage)
+    assert all(0 < u <= 1 for u in out["torch-1f1b"]["utilization"])
     assert out["1f1b"]["vs_1f1b"] == 1.0
     part = out["config"]["partition"]
     assert part["layers"] == ["0-1", "2-3"] and 0 < part["balance"] <= 1

@@ -191,3 +191,197 @@ def test_benchmark_peer_rejects_a_nobubble_schedule(cfg):
 
     with pytest.raises(ValueError, match=r"'paci' is not a torch\.distributed\.pipelining"):
         peer_config(cfg, "paci")
+
+
+# ----- the zero-bubble and interleaved peers (several stages per rank, split backwards) ---------
+# Runs on each of the 2 ranks: argv = config JSON, output folder. Each torch schedule trains the
+# config's steps from the same initial weights; the rank holding the last stage has the losses.
+NEW_PEERS = ("torch-zb-h1", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
+PEERS_SIDE = """
+import json, sys
+import torch, torch.distributed as dist
+from nobubble.config import TrainConfig
+from nobubble.distributed.torch_peer import PeerRun
+
+torch.set_num_threads(1)
+cfg = TrainConfig(**json.loads(sys.argv[1]))
+dist.init_process_group("gloo")
+out = {}
+for schedule in sys.argv[3].split(","):
+    run = PeerRun(cfg, schedule, torch.device("cpu"))
+    run.train()
+    kinds = sorted((a.stage, a.kind) for a, _, _ in run.spans)
+    out[schedule] = {"losses": run.losses, "stages": list(run.mine), "spans": kinds}
+with open(f"{sys.argv[2]}/peers-{dist.get_rank()}.json", "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def launch_script(script: str, args: list[str], out: Path) -> None:
+    """Run ``script`` on 2 gloo ranks with ``args``; fail with their stderr if one fails."""
+    path = out / "side.py"
+    path.write_text(script)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        )
+        command = [sys.executable, str(path), *args]
+        procs.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True))
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(errors)
+
+
+@pytest.fixture(scope="module")
+def steps3(cfg) -> TrainConfig:
+    return TrainConfig.from_mapping({"steps": 3, "eval_every": 3}, base=cfg)
+
+
+@pytest.fixture(scope="module")
+def peer_runs(steps3, tmp_path_factory) -> dict[str, dict]:
+    """Losses, stages and compute spans per rank of each new torch peer, 3 steps on 2 ranks."""
+    out = tmp_path_factory.mktemp("peers")
+    launch_script(PEERS_SIDE, [json.dumps(steps3.to_json()), str(out), ",".join(NEW_PEERS)], out)
+    ranks = [json.loads((out / f"peers-{r}.json").read_text()) for r in range(2)]
+    return {
+        name: {
+            "losses": next(r[name]["losses"] for r in ranks if r[name]["losses"]),
+            "stages": [r[name]["stages"] for r in ranks],
+            "spans": [[tuple(k) for k in r[name]["spans"]] for r in ranks],
+        }
+        for name in NEW_PEERS
+    }
+
+
+def emulator_losses(cfg: TrainConfig, schedule: str, out: Path) -> list[float]:
+    """Per-step mean losses of ``nobubble train`` in the emulator (all stages in one process)."""
+    from nobubble.train import Trainer
+
+    run = TrainConfig.from_mapping({"schedule": schedule, "out": str(out / schedule)}, base=cfg)
+    return [record["loss"] for record in Trainer(run).run().records]
+
+
+@pytest.fixture(scope="module")
+def emulated(steps3, tmp_path_factory) -> dict[str, list[float]]:
+    out = tmp_path_factory.mktemp("emulated")
+    return {s: emulator_losses(steps3, s, out) for s in ("zb-h1", "interleaved-1f1b", "zbv")}
+
+
+@pytest.mark.parametrize(
+    ("peer", "twin", "stages"),
+    [
+        ("torch-zb-h1", "zb-h1", [[0], [1]]),
+        ("torch-interleaved-1f1b", "interleaved-1f1b", [[0, 2], [1, 3]]),  # loop: r, r+P
+        ("torch-interleaved-zb", "interleaved-1f1b", [[0, 2], [1, 3]]),
+        ("torch-zbv", "zbv", [[0, 3], [1, 2]]),  # V: r, 2P-1-r
+    ],
+)
+def test_zero_bubble_and_interleaved_peer_losses_equal_the_emulator_bitwise(
+    peer_runs, emulated, peer, twin, stages
+):
+    """3 steps at P=2, M=4, v=2 (4 stages of one layer each; zb-h1: 2 of two), AdamW with
+    global clipping: every step's mean loss is bitwise nobubble's emulator's for the same cut
+    (which equals plain gradient accumulation, tests/test_zero_bubble_exec.py). Bitwise: the
+    per-rank orders are the same (test_zero_bubble's torch oracle), torch's division of the
+    summed gradients by M=4 is exact as nobubble's 1/M per loss is (a power of two), and both
+    sides add the stages' squared norms in stage order in float64."""
+    assert peer_runs[peer]["stages"] == stages
+    losses = peer_runs[peer]["losses"]
+    assert len(losses) == 3 and losses[0] != losses[-1]  # it trains
+    assert losses == emulated[twin]
+
+
+@pytest.mark.parametrize(
+    ("peer", "backward"),
+    [
+        ("torch-zb-h1", ("I", "W")),
+        ("torch-interleaved-1f1b", ("B",)),
+        ("torch-interleaved-zb", ("I", "W")),
+        ("torch-zbv", ("I", "W")),
+    ],
+)
+def test_zero_bubble_and_interleaved_peers_time_every_compute_action(
+    steps3, peer_runs, peer, backward
+):
+    """The measured bubble of a torch peer rests on its spans: each stage of each rank notes
+    M forwards and M of each backward kind per step (split backward for the zero-bubble
+    ones), and one optimizer step."""
+    n, m = steps3.steps, steps3.microbatches
+    for stages, spans in zip(peer_runs[peer]["stages"], peer_runs[peer]["spans"], strict=True):
+        want = [(s, k) for s in stages for k in ("F", *backward) for _ in range(n * m)]
+        want += [(s, "STEP") for s in stages for _ in range(n)]
+        assert spans == sorted(want)
+
+
+def test_torch_peers_refuse_an_m_their_schedule_cannot_take(cfg):
+    from nobubble.distributed.torch_peer import peer_config
+
+    bad = TrainConfig.from_mapping({"microbatches": 5}, base=cfg)
+    for peer in ("torch-interleaved-1f1b", "torch-interleaved-zb"):
+        with pytest.raises(ValueError, match=rf"{peer} .*M=5 .*--microbatches 4"):
+            peer_config(bad, peer)
+
+
+def test_bench_refuses_a_model_too_shallow_for_v_times_p_stages_before_any_process():
+    from nobubble.bench_runtime import RuntimeBench
+
+    # tiny has 4 layers: P=3 ranks of 2 stages need 6
+    with pytest.raises(ValueError, match=r"torch-zbv .*--stages 3 cuts the model into 6 stages"):
+        RuntimeBench(model="tiny", stages=3, schedules=("1f1b", "torch-zbv"))
+    with pytest.raises(ValueError, match=r"6 stages \(3 per rank .*--stages 1 or fewer"):
+        RuntimeBench(model="tiny", virtual_stages=3, schedules=("torch-interleaved-1f1b",))
+
+
+def test_bench_wiring_gives_interleaved_variants_their_v(monkeypatch):
+    """nobubble's interleaved-1f1b gets --virtual-stages and its torch twin the same cut. The
+    multi-process runtime refuses several stages per rank until it runs them (check_trainable),
+    so that refusal is lifted here to look at the wiring alone."""
+    import nobubble.config
+    from nobubble.bench_runtime import RuntimeBench, train_argv
+
+    monkeypatch.setattr(nobubble.config, "check_trainable", lambda *a, **k: None)
+    bench = RuntimeBench(
+        model="mini", virtual_stages=4, schedules=("interleaved-1f1b", "torch-interleaved-1f1b")
+    )
+    argv = train_argv(bench.train_config("interleaved-1f1b"))
+    assert argv[argv.index("--virtual-stages") + 1] == "4"
+    assert argv[argv.index("--runtime") + 1] == "dist"
+    assert bench.train_config("torch-interleaved-1f1b").model_stages == 8
+    assert bench.train_config("torch-zbv").model_stages == 4  # v is interleaved's only
+
+
+def test_cli_names_every_torch_peer():
+    from nobubble.cli.bench_cmds import TORCH_PEERS
+    from nobubble.distributed.torch_peer import TORCH_SCHEDULES
+
+    assert tuple(TORCH_SCHEDULES) == TORCH_PEERS
+
+
+def test_bench_runtime_runs_zero_bubble_variants_with_their_bubble(capsys, cfg):
+    """nobubble's zb-h1 (multi-process runtime) beside torch's ZBV: same loss, a measured bubble
+    for both (the peer notes torch's compute spans itself), both cuts reported."""
+    from nobubble.cli import main
+
+    argv = "bench runtime --model tiny --vocab-size 512 --seq-len 32 --micro-batch-size 2"
+    argv += " --stages 2 --microbatches 4 --steps 2 --rounds 1 --schedule zb-h1,torch-zbv"
+    assert main([*argv.split(), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for variant in ("zb-h1", "torch-zbv"):
+        assert 0 < out[variant]["bubble"] < 1
+        assert len(out[variant]["utilization"]) == 2
+    assert out["zb-h1"]["last_loss"] == pytest.approx(out["torch-zbv"]["last_loss"], rel=1e-6)
+    assert all(b > 0 for b in out["torch-zbv"]["peak_activation_bytes"])
+    assert out["config"]["partitions"].keys() == {"2", "4"}

@@ -4,14 +4,19 @@ Every variant trains the same model on the same data with the same optimizer, P 
 this machine, for ``steps`` optimizer steps of M micro-batches of B sequences: nobubble's
 schedules through ``nobubble train --runtime dist`` (validation only after the last step, so
 the asynchronous schedules never drain before it; pipedream and paci step every M backwards,
-so that every variant applies the same tokens per step), torch's ``ScheduleGPipe`` and
-``Schedule1F1B`` through ``nobubble.distributed.torch_peer``. Rounds alternate the variants, so
-every ratio comes from the same conditions; each figure is the median over the rounds.
+so that every variant applies the same tokens per step), torch's schedules (``TORCH_SCHEDULES``:
+GPipe, 1F1B, ZB-H1, interleaved 1F1B, interleaved zero-bubble, ZBV) through
+``nobubble.distributed.torch_peer``. The schedules that hold several stages per rank
+(nobubble's interleaved-1f1b and zbv, torch's interleaved and ZBV) cut the model into v·P
+stages, v = ``virtual_stages`` for the interleaved ones (default 2) and 2 for the V ones, and
+each torch schedule is cut as its nobubble twin. Rounds alternate the variants, so every ratio
+comes from the same conditions; each figure is the median over the rounds.
 
 Reported per variant: tokens per second over the steady window (both sides skip the first
-``max(1, steps // 10)`` steps), the measured steady utilization per stage (nobubble's compute
-spans; torch's schedules record none: null) and the peak activation bytes per stage (autograd's
-saved tensors of the micro-batches in flight, measured the same way on both sides).
+``max(1, steps // 10)`` steps), the measured steady utilization per rank and bubble share
+(nobubble's compute spans; torch's schedules record none: null), the peak activation bytes per
+rank (autograd's saved tensors of the micro-batches in flight, measured the same way on both
+sides), and the ratio of each nobubble schedule to its torch twin when both ran.
 """
 
 from __future__ import annotations
@@ -32,10 +37,18 @@ from nobubble.assemble import load_data
 from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES
-from nobubble.distributed.torch_peer import TORCH_SCHEDULES, launch_peer
+from nobubble.distributed.torch_peer import TORCH_SCHEDULES, launch_peer, peer_config
 from nobubble.model import model_config, partition_layers, partition_rows
 
 REFERENCES = ("1f1b", "torch-1f1b")  # the ratios' denominators, when they are benchmarked
+# nobubble schedule -> the torch schedule with the same per-rank order (vs_torch_twin)
+TORCH_TWINS = {
+    "gpipe": "torch-gpipe",
+    "1f1b": "torch-1f1b",
+    "zb-h1": "torch-zb-h1",
+    "interleaved-1f1b": "torch-interleaved-1f1b",
+    "zbv": "torch-zbv",
+}
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class RuntimeBench:
     vocab_size: int = 4096
     optimizer: str = "adamw"
     synthetic: tuple[float, float] | None = None
+    virtual_stages: int | None = None  # v of the interleaved variants (None: 2)
 
     def __post_init__(self) -> None:
         if self.synthetic is not None:
@@ -88,10 +102,17 @@ class RuntimeBench:
             self.train_config(variant)  # every TrainConfig check, before any run
 
     def train_config(self, variant: str) -> TrainConfig:
-        """The run of ``variant``; a torch variant gets the nobubble schedule of its order."""
-        name = TORCH_SCHEDULES[variant][1] if variant in TORCH_SCHEDULES else variant
+        """The run of ``variant``; a torch variant gets the nobubble schedule whose placement,
+        split and checks it takes (``peer_config``), its errors named for the torch one."""
+        if variant in TORCH_SCHEDULES:
+            return peer_config(self._config("gpipe", None), variant, self.virtual_stages)
+        loop = SCHEDULES[variant].placement == "loop"
+        return self._config(variant, self.virtual_stages if loop else None)
+
+    def _config(self, name: str, virtual_stages: int | None) -> TrainConfig:
         return TrainConfig(
             schedule=name,
+            virtual_stages=virtual_stages,
             stages=self.stages,
             microbatches=self.microbatches,
             accum=self.microbatches if SCHEDULES[name].uses_accum else None,
@@ -142,6 +163,7 @@ def run_nobubble(cfg: TrainConfig, out: Path, log: Path) -> dict[str, Any]:
     return {
         "tokens_per_s": summary["tokens_per_s"],
         "utilization": summary.get("steady_utilization"),
+        "bubble": summary.get("steady_bubble_share"),
         "peak_activation_bytes": summary["peak_activation_bytes"],
         "last_loss": summary["last_loss"],
     }
@@ -163,7 +185,8 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
         raise NobubbleError(f"{err}:\n{_tail(log)}") from None
     return {
         "tokens_per_s": result["tokens_per_s"],
-        "utilization": None,  # torch's schedules keep no compute timeline
+        "utilization": result["steady_utilization"],  # the peer's spans (CPU only)
+        "bubble": result["steady_bubble_share"],
         "peak_activation_bytes": result["peak_activation_bytes"],
         "last_loss": result["losses"][-1],
     }
@@ -175,12 +198,14 @@ def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dic
     for variant, rounds in runs.items():
         tok = [r["tokens_per_s"] for r in rounds]
         utils = [r["utilization"] for r in rounds if r["utilization"] is not None]
+        bubbles = [r["bubble"] for r in rounds if r.get("bubble") is not None]
         out[variant] = {
             "tokens_per_s": statistics.median(tok),
             "tokens_per_s_rounds": tok,
             "utilization": [statistics.median(u) for u in zip(*utils, strict=True)]
             if utils
             else None,
+            "bubble": statistics.median(bubbles) if bubbles else None,
             "peak_activation_bytes": rounds[-1]["peak_activation_bytes"],  # deterministic
             "last_loss": rounds[-1]["last_loss"],
         }
@@ -190,16 +215,24 @@ def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dic
             out[variant][key] = (
                 out[variant]["tokens_per_s"] / out[ref]["tokens_per_s"] if ref in out else None
             )
+        twin = TORCH_TWINS.get(variant)
+        out[variant]["vs_torch_twin"] = (
+            out[variant]["tokens_per_s"] / out[twin]["tokens_per_s"] if twin in out else None
+        )
+    cuts = sorted({bench.train_config(v).model_stages for v in bench.schedules})
     out["config"] = asdict(bench) | {
         "tokens_per_step": bench.train_config(bench.schedules[0]).tokens_per_step,
         "warmup_steps": max(1, bench.steps // 10),
-        "partition": partition_balance(bench),
+        "partition": partition_balance(bench, bench.stages),
+        # every cut a variant uses: P stages, and v·P for those with several stages per rank
+        "partitions": {str(n): partition_balance(bench, n) for n in cuts},
     }
     return out
 
 
-def partition_balance(bench: RuntimeBench) -> dict[str, Any]:
-    """The split every variant uses and its estimated balance (lightest / heaviest stage cost).
+def partition_balance(bench: RuntimeBench, num_stages: int) -> dict[str, Any]:
+    """The split into ``num_stages`` stages the variants of that cut use and its estimated
+    balance (lightest / heaviest stage cost).
 
     Layers are indivisible, so a split can be uneven; the lighter stages then idle for the
     difference whatever the schedule, and their utilization cannot pass this balance.
@@ -207,9 +240,9 @@ def partition_balance(bench: RuntimeBench) -> dict[str, Any]:
     if bench.model.startswith("hf:"):  # split by parameters: the balance is theirs
         from nobubble.hf import split_balance
 
-        return split_balance(bench.model.removeprefix("hf:"), bench.stages)
+        return split_balance(bench.model.removeprefix("hf:"), num_stages)
     cfg = model_config(bench.model, bench.vocab_size, bench.seq_len)
-    ranges = partition_layers(cfg, bench.stages, seq_len=bench.seq_len)
+    ranges = partition_layers(cfg, num_stages, seq_len=bench.seq_len)
     rows = partition_rows(cfg, ranges, bench.seq_len)
     costs = [row["cost"] for row in rows]
     return {"layers": [row["layers"] for row in rows], "balance": min(costs) / max(costs)}

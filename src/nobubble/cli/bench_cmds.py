@@ -10,6 +10,17 @@ from nobubble.cli.schedule_cmds import positive_int, print_table
 from nobubble.core.schedules import SCHEDULE_NAMES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 
+# the torch peers of `bench runtime` (nobubble.distributed.torch_peer.TORCH_SCHEDULES, named
+# here so that the CLI's parser does not import torch)
+TORCH_PEERS = (
+    "torch-gpipe",
+    "torch-1f1b",
+    "torch-zb-h1",
+    "torch-interleaved-1f1b",
+    "torch-interleaved-zb",
+    "torch-zbv",
+)
+
 
 def cmd_bench_sim(args: argparse.Namespace) -> int:
     from tqdm import tqdm
@@ -160,6 +171,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         schedules=tuple(s.strip() for s in args.schedule.split(",")),
         threads=args.threads,
         synthetic=args.synthetic,
+        virtual_stages=args.virtual_stages,
     )
     bar = tqdm(total=cfg.rounds * len(cfg.schedules), disable=args.json, leave=False)
 
@@ -186,6 +198,12 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         f"{part['balance']:.3f}: "
         "the lighter stages' utilization ceiling"
     )
+    for n, cut in conf["partitions"].items():
+        if int(n) != cfg.stages:  # the v·P cut of the variants with several stages per rank
+            print(
+                f"{n} stages ({int(n) // cfg.stages} per rank): layers "
+                f"{' | '.join(cut['layers'])}, balance {cut['balance']:.3f}"
+            )
     rows = []
     for variant in cfg.schedules:
         r = result[variant]
@@ -198,7 +216,9 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
                 / r["tokens_per_s"],
                 "vs_1f1b": r["vs_1f1b"] if r["vs_1f1b"] is not None else "-",
                 "vs_torch_1f1b": r["vs_torch_1f1b"] if r["vs_torch_1f1b"] is not None else "-",
+                "vs_torch_twin": r["vs_torch_twin"] if r["vs_torch_twin"] is not None else "-",
                 "utilization": [round(u, 3) for u in util] if util else "-",
+                "bubble": r["bubble"] if r["bubble"] is not None else "-",
                 "peak_act_MB": [round(b / 2**20, 1) for b in r["peak_activation_bytes"]],
                 "last_loss": r["last_loss"],
             }
@@ -238,7 +258,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--schedule",
         default="1f1b,paci,2bw,gpipe,pipedream,torch-1f1b,torch-gpipe",
-        help="comma list of nobubble schedules and torch-1f1b, torch-gpipe",
+        help="comma list of nobubble schedules and torch peers: " + ", ".join(TORCH_PEERS),
     )
     q.add_argument("--model", default="small")
     q.add_argument(
@@ -249,6 +269,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--optimizer", default="adamw")
     q.add_argument("--stages", type=positive_int, default=2)
+    q.add_argument(
+        "--virtual-stages",
+        type=positive_int,
+        default=None,
+        help="stages per rank v of interleaved-1f1b and the torch-interleaved-* peers "
+        "(default 2; zbv and torch-zbv: always 2)",
+    )
     q.add_argument("--microbatches", type=positive_int, default=4)
     q.add_argument("--micro-batch-size", type=positive_int, default=8)
     q.add_argument("--seq-len", type=positive_int, default=128)

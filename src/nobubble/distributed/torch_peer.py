@@ -1,12 +1,20 @@
 """One rank of a ``torch.distributed.pipelining`` run on nobubble's model, data and optimizer.
 
-The baseline of ``nobubble bench runtime``: the same ``TrainConfig`` gives the same model, the
+The baselines of ``nobubble bench runtime``: the same ``TrainConfig`` gives the same model, the
 same stage split (assemble's make_plan/make_stages), the same micro-batches (the M micro-batches
 of batch j are concatenated, and the schedule's split along the batch dimension gives them back
 exactly), the same optimizer, lr schedule and global clipping; only the pipeline engine is
-torch's ``ScheduleGPipe`` or ``Schedule1F1B``. The last stage returns logits because torch's
-schedules apply the loss themselves (``loss_fn = lm_loss``); torch averages the micro-batch
-gradients by dividing by M after the backwards (``scale_grads=True``).
+torch's. Each torch schedule runs beside the nobubble schedule with its placement and split
+(``TORCH_SCHEDULES``): ``ScheduleGPipe`` and ``Schedule1F1B`` one stage per rank;
+``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` v stages per rank in a loop
+(rank r holds r, r+P, ...), cut as nobubble's ``interleaved-1f1b`` cuts; ``ScheduleZBVZeroBubble``
+two per rank in a V (rank r holds r and 2P-1-r), cut as ``zbv``. A rank's stages each get their
+own ``PipelineStage`` and their own optimizer, as nobubble's workers do.
+
+The last stage returns logits because torch's schedules apply the loss themselves (``loss_fn =
+lm_loss``); torch averages the micro-batch gradients by dividing by M after the backwards
+(``scale_grads=True``). Gradient clipping is global, as nobubble's for synchronous schedules:
+every stage's squared norm, added in stage order in float64 (``sum_over_stages``).
 
 Timing mirrors nobubble's runtime: one barrier before the first step, then each rank notes the
 wall time after each of its optimizer steps; a step ends when its last rank is done; throughput
@@ -14,13 +22,12 @@ is tokens over the steady window (the first ``max(1, steps // 10)`` steps are wa
 
 Run ``python -m nobubble.distributed.torch_peer --schedule torch-1f1b --result FILE <train flags>``
 under torchrun-style environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one
-process per stage; ``launch_peer`` starts them on one machine.
+process per rank; ``launch_peer`` starts them on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -35,123 +42,80 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from nobubble.assemble import load_data, make_model, make_plan
 from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
+from nobubble.core.ir import STEP, Action
+from nobubble.core.placement import Placement
+from nobubble.core.schedules import SCHEDULES
+from nobubble.core.sim.metrics import measured_utilization
 from nobubble.data import TokenData
 from nobubble.distributed.api import release_others
 from nobubble.distributed.launch import _watch, free_port, rank_env
+from nobubble.distributed.peer_stage import ActivationMeter, PeerStage, Span, TimedStage
 from nobubble.distributed.transport import shutdown
-from nobubble.model.gpt import lm_loss
 from nobubble.optim import (
     build_optimizer,
     clip_coefficient,
     grad_sq_norm,
     lr_at,
     scale_grads_,
+    sum_over_stages,
 )
 
-# torch schedule -> (its class, the nobubble schedule with the same per-stage order)
-TORCH_SCHEDULES: dict[str, tuple[type[ScheduleGPipe] | type[Schedule1F1B], str]] = {
+# torch schedule -> (its class, the nobubble schedule whose placement, split and checks it takes).
+# The zero-bubble ones split each backward into input and weight gradients (torch's
+# PipelineStage does that itself). ScheduleInterleavedZeroBubble with one stage per rank is
+# zb-h1's order (torch-zb-h1); at v >= 2 it has no nobubble twin, so torch-interleaved-zb takes
+# interleaved-1f1b's loop placement and split.
+TORCH_SCHEDULES: dict[str, tuple[type[PipelineScheduleSingle | PipelineScheduleMulti], str]] = {
     "torch-gpipe": (ScheduleGPipe, "gpipe"),
     "torch-1f1b": (Schedule1F1B, "1f1b"),
+    "torch-zb-h1": (ScheduleInterleavedZeroBubble, "zb-h1"),
+    "torch-interleaved-1f1b": (ScheduleInterleaved1F1B, "interleaved-1f1b"),
+    "torch-interleaved-zb": (ScheduleInterleavedZeroBubble, "interleaved-1f1b"),
+    "torch-zbv": (ScheduleZBVZeroBubble, "zbv"),
 }
 
 
-class ActivationMeter:
-    """Bytes autograd saves for backward per micro-batch (weights excluded), held until the
-    micro-batch's backward starts: nobubble's worker measures the same (``_count_saved``)."""
-
-    def __init__(self, weights: list[torch.Tensor]) -> None:
-        self.weight_storages = {w.untyped_storage().data_ptr() for w in weights}
-        self.held: list[int] = []  # bytes per micro-batch in flight, oldest first (FIFO B)
-        self.peak_inflight = 0
-        self.peak_bytes = 0
-
-    def saving(self, new: bool) -> contextlib.AbstractContextManager[Any]:
-        """Count what autograd saves inside; ``new`` opens a micro-batch, else adds to the
-        newest (the loss on the last stage)."""
-        if new:
-            self.held.append(0)
-        seen: set[int] = set()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self.weight_storages and ptr not in seen:
-                seen.add(ptr)
-                # min: a micro-batch split from the whole batch counts its own bytes only
-                self.held[-1] += min(t.untyped_storage().nbytes(), t.numel() * t.element_size())
-                self._peaks()
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def reset(self) -> None:
-        """Forget everything so far. Called after the first step: torch's shape inference runs
-        one more forward on stage 0 whose backward never comes."""
-        self.held, self.peak_inflight, self.peak_bytes = [], 0, 0
-
-    def _peaks(self) -> None:
-        self.peak_inflight = max(self.peak_inflight, len(self.held))
-        self.peak_bytes = max(self.peak_bytes, sum(self.held))
-
-    def release(self, grad: torch.Tensor) -> None:
-        """Hook on a stage output: its gradient arrives when the micro-batch's backward starts."""
-        self.held.pop(0)
-
-
-class PeerStage(nn.Module):
-    """A stage module (the internal GPT's or a Hugging Face model's) under torch's schedules,
-    its parameters under the same names; the last stage returns logits (torch applies the
-    loss), the others their hidden states in fp32."""
-
-    def __init__(
-        self, stage: nn.Module, is_last: bool, autocast_dtype: torch.dtype | None = None
-    ) -> None:
-        super().__init__()
-        for name, child in stage.named_children():  # the same parameter names as the stage's
-            self.add_module(name, child)
-        for name, param in stage.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        self.inner = [stage]  # a list: its modules are registered above, under their names
-        self.is_last, self.autocast_dtype = is_last, autocast_dtype
-        self.meter = ActivationMeter([p for p in self.parameters()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        autocast = torch.autocast(
-            x.device.type,
-            dtype=self.autocast_dtype or torch.bfloat16,
-            enabled=self.autocast_dtype is not None,
-        )
-        # torch's shape inference runs one forward first (meta tensors past stage 0): not a
-        # micro-batch; stage 0's, on real ids, is dropped by meter.reset() after step 1
-        counted = not x.is_meta and torch.is_grad_enabled()
-        meter = self.meter.saving(new=True) if counted else contextlib.nullcontext()
-        with autocast, meter:
-            out = self.inner[0](x)  # (B, T, V) logits or (B, T, D) hidden states
-            out = out if self.is_last else out.float()
-        if counted:
-            out.register_hook(self.meter.release)
-        return out
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """lm_loss, its saved tensors counted with the micro-batch's (as in StageModule)."""
-        if logits.is_meta or not torch.is_grad_enabled():
-            return lm_loss(logits, targets)
-        with self.meter.saving(new=False):
-            return lm_loss(logits, targets)
-
-
-def peer_config(cfg: TrainConfig, schedule: str) -> TrainConfig:
-    """``cfg`` with the nobubble schedule that has ``schedule``'s order (sets global clipping)."""
+def peer_config(cfg: TrainConfig, schedule: str, virtual_stages: int | None = None) -> TrainConfig:
+    """``cfg`` with the nobubble schedule whose placement and split ``schedule`` takes (sets
+    global clipping and the stages per rank); its checks of (P, M, v) run here, named for the
+    torch schedule, before any process starts. ``virtual_stages``: v of the loop placements
+    (None: ``cfg``'s, else 2); ZBV always holds 2 stages per rank, the others 1."""
     if schedule not in TORCH_SCHEDULES:
         raise ValueError(
             f"--schedule {schedule!r} is not a torch.distributed.pipelining schedule; valid: "
             f"{', '.join(TORCH_SCHEDULES)}"
         )
-    return replace(cfg, schedule=TORCH_SCHEDULES[schedule][1])
+    cls, name = TORCH_SCHEDULES[schedule]
+    loop = SCHEDULES[name].placement == "loop"
+    virtual = (virtual_stages or cfg.virtual_stages) if loop else None
+    try:
+        # runtime "emulate": torch's engine runs the peer, so nobubble's multi-process runtime
+        # and what it cannot run yet (several stages per rank) do not apply
+        return replace(cfg, schedule=name, virtual_stages=virtual, runtime="emulate")
+    except ValueError as err:
+        raise ValueError(
+            f"{schedule} (torch's {cls.__name__}, placed and cut as nobubble's {name}): {err}"
+        ) from None
+
+
+def peer_placement(cfg: TrainConfig) -> Placement:
+    """Which stages each rank holds: the placement of ``cfg.schedule``, as torch maps them
+    (``generate_stage_to_rank_mapping``: "loop" for the interleaved classes, "v" for ZBV)."""
+    info = SCHEDULES[cfg.schedule]
+    return Placement(info.placement, cfg.stages, cfg.model_stages // cfg.stages)
 
 
 def batch_of(data: TokenData, j: int, m: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +125,7 @@ def batch_of(data: TokenData, j: int, m: int, b: int) -> tuple[torch.Tensor, tor
 
 
 class PeerRun:
-    """This rank's stage under a torch schedule; the process group must be initialized."""
+    """This rank's stages under a torch schedule; the process group must be initialized."""
 
     def __init__(self, cfg: TrainConfig, schedule: str, device: torch.device) -> None:
         self.cfg = peer_config(cfg, schedule)
@@ -181,44 +145,78 @@ class PeerRun:
                 f"--model {cfg.model} ties its input and output embeddings across stages, and "
                 "torch's schedules would update the two copies apart: add --untie-embeddings"
             )
+        self.num_stages = len(stages)  # v·P
+        self.mine = peer_placement(self.cfg).stages_of(self.rank)
         # moved first: the meter tells weights from activations by storage
-        stages[self.rank] = stages[self.rank].to(device)
-        release_others(stages, self.rank)
-        last = self.rank == self.world - 1
-        self.module = PeerStage(stages[self.rank], last, autocast)
+        own = nn.ModuleList([stages[s].to(device) for s in self.mine])
+        release_others([own, *(m for s, m in enumerate(stages) if s not in self.mine)], 0)
+        self.meter = ActivationMeter(list(own.parameters()))
+        last = self.num_stages - 1
+        self.modules = [PeerStage(stages[s], s == last, self.meter, autocast) for s in self.mine]
         self.optim_cfg = self.cfg.optim_config()
-        self.optimizer = build_optimizer(self.optim_cfg, list(self.module.named_parameters()))
-        stage = PipelineStage(self.module, self.rank, self.world, device)
+        # one optimizer per stage module, as nobubble's workers have
+        self.optimizers = [
+            build_optimizer(self.optim_cfg, list(m.named_parameters())) for m in self.modules
+        ]
+        self.spans: list[Span] = []  # this rank's compute, all its stages (CPU only)
+        spans = self.spans if device.type == "cpu" else []
+        self.pipe = [
+            TimedStage(m, s, self.num_stages, device, spans=spans)
+            for s, m in zip(self.mine, self.modules, strict=True)
+        ]
+        pipe: list[_PipelineStageBase] = list(self.pipe)
         cls = TORCH_SCHEDULES[schedule][0]
         self.m = self.cfg.num_microbatches
-        self.schedule = cls(stage, self.m, loss_fn=self.module.loss)
-        self.losses: list[float] = []  # mean loss per step (last rank)
+        # the shared meter's: any of the rank's modules counts alike
+        loss = self.pipe[-1].loss_in_span(self.modules[-1].loss)
+        if issubclass(cls, PipelineScheduleMulti):
+            self.schedule: PipelineScheduleSingle | PipelineScheduleMulti = cls(
+                pipe, self.m, loss_fn=loss
+            )
+        else:
+            self.schedule = cls(pipe[0], self.m, loss_fn=loss)
+        self.losses: list[float] = []  # mean loss per step (the rank of the last stage)
+
+    @property
+    def module(self) -> PeerStage:
+        """The rank's only stage (one stage per rank)."""
+        assert len(self.modules) == 1, f"rank {self.rank} holds stages {self.mine}"
+        return self.modules[0]
 
     def run_batch(self, j: int) -> None:
         """Forwards and backwards of batch j: the averaged gradient lands in ``.grad``."""
         x, y = batch_of(self.data, j, self.m, self.cfg.micro_batch_size)
-        losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(x.to(self.device), return_outputs=False)
-        elif self.rank == self.world - 1:
-            self.schedule.step(target=y.to(self.device), losses=losses, return_outputs=False)
+        for stage in self.pipe:
+            stage.first = j * self.m
+        args = (x.to(self.device),) if 0 in self.mine else ()
+        if self.num_stages - 1 in self.mine:  # rank P-1, or rank 0 under a V
+            losses: list[torch.Tensor] = []
+            self.schedule.step(*args, target=y.to(self.device), losses=losses, return_outputs=False)
             self.losses.append(sum(float(v.detach()) for v in losses) / len(losses))
         else:
-            self.schedule.step(return_outputs=False)
+            self.schedule.step(*args, return_outputs=False)
 
     def apply(self, j: int) -> None:
-        """Step j+1: global clipping (sync schedules), lr schedule, optimizer, as nobubble."""
-        params = list(self.module.parameters())
-        sq_norm = grad_sq_norm(params).to(self.device, torch.float32).reshape(1)
-        dist.all_reduce(sq_norm)
-        norm = math.sqrt(float(sq_norm))
+        """Step j+1 of every stage here: global clipping (sync schedules), lr schedule and
+        optimizer, as nobubble's workers. The global norm adds every stage's square in stage
+        order in float64, as nobubble does, so every rank computes the same bits."""
+        shares = torch.zeros(self.num_stages, dtype=torch.float64, device=self.device)
+        for s, module in zip(self.mine, self.modules, strict=True):
+            shares[s] = grad_sq_norm(list(module.parameters())).to(self.device, torch.float64)
+        dist.all_reduce(shares)  # one nonzero term per entry: exact
+        norm = math.sqrt(float(sum_over_stages(list(shares))))
         if not math.isfinite(norm):
-            raise FloatingPointError(f"stage {self.rank}, step {j + 1}: non-finite gradients")
-        if self.optim_cfg.clip_norm is not None:
-            scale_grads_(params, clip_coefficient(norm, self.optim_cfg.clip_norm))
-        self.optimizer.set_lr(lr_at(j, self.cfg.steps, self.optim_cfg))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"rank {self.rank}, step {j + 1}: non-finite gradients")
+        for s, module, optimizer in zip(self.mine, self.modules, self.optimizers, strict=True):
+            start = time.time()  # the STEP span, as nobubble's: after the norm's all-reduce
+            params = list(module.parameters())
+            if self.optim_cfg.clip_norm is not None:
+                scale_grads_(params, clip_coefficient(norm, self.optim_cfg.clip_norm))
+            optimizer.set_lr(lr_at(j, self.cfg.steps, self.optim_cfg))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cpu":
+                self.spans.append((Action(s, STEP, j + 1), start, time.time()))
 
     def train(self) -> list[float]:
         """All steps; the wall time at which this rank finished each, from a common start."""
@@ -229,13 +227,18 @@ class PeerRun:
             self.apply(j)
             ends.append(time.time() - t0)
             if j == 0:
-                self.module.meter.reset()
+                self.meter.reset()
         return ends
 
 
-def result_of(run: PeerRun, schedule: str, ends: list[list[float]], peaks: list[Any]) -> dict:
-    """The figures of the run from every rank's step end times and activation peaks."""
+def result_of(run: PeerRun, schedule: str, gathered: list[Any]) -> dict:
+    """The figures of the run from every rank's step end times, activation peaks (per rank,
+    all its stages) and losses (only the rank of the last stage has them)."""
     cfg = run.cfg
+    ends, peaks = [g[0] for g in gathered], [g[1] for g in gathered]
+    losses = next(g[2] for g in gathered if g[2])
+    lanes = [[(Action.parse(a), s, e) for a, s, e in g[3]] for g in gathered]
+    util = measured_utilization(lanes) if all(lanes) else None
     end = [max(e[j] for e in ends) for j in range(cfg.steps)]  # a step ends on its last rank
     warm = max(1, cfg.steps // 10)  # the same steady window as nobubble's run_summary
     window = end[-1] - end[warm - 1]
@@ -243,13 +246,17 @@ def result_of(run: PeerRun, schedule: str, ends: list[list[float]], peaks: list[
     return {
         "schedule": schedule,
         "stages": cfg.stages,
+        "stages_per_rank": cfg.model_stages // cfg.stages,
         "microbatches": run.m,
         "steps": cfg.steps,
         "warmup_steps": warm,
         "tokens_per_step": cfg.tokens_per_step,
         "tokens_per_s": tokens / window if window > 0 else None,
         "step_times_s": [b - a for a, b in zip([0.0, *end[:-1]], end, strict=True)],
-        "losses": run.losses,
+        "losses": losses,
+        # measured over the whole run from compute spans, as nobubble's summary (CPU only)
+        "steady_utilization": util["steady_utilization"] if util else None,
+        "steady_bubble_share": util["steady_bubble_share"] if util else None,
         "peak_inflight": [p[0] for p in peaks],
         "peak_activation_bytes": [p[1] for p in peaks],
         "backend": dist.get_backend(),
@@ -258,7 +265,7 @@ def result_of(run: PeerRun, schedule: str, ends: list[list[float]], peaks: list[
 
 
 def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
-    """Entry of one process: train ``cfg.steps`` steps; the last rank writes ``result``."""
+    """Entry of one process: train ``cfg.steps`` steps; rank 0 writes ``result``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
@@ -271,12 +278,13 @@ def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
     try:
         run = PeerRun(cfg, schedule, device)
         ends = run.train()
-        meter = run.module.meter
-        mine = (ends, (meter.peak_inflight, meter.peak_bytes))
+        meter = run.meter
+        spans = [(str(a), s, e) for a, s, e in run.spans]
+        mine = (ends, (meter.peak_inflight, meter.peak_bytes), run.losses, spans)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
-        if rank == world - 1:
-            out = result_of(run, schedule, [g[0] for g in gathered], [g[1] for g in gathered])
+        if rank == 0:
+            out = result_of(run, schedule, gathered)
             result.write_text(json.dumps(out, indent=1) + "\n")
     finally:
         run = None  # torch's stages and schedule go before the process groups
@@ -330,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m nobubble.distributed.torch_peer", add_help=False
     )
     outer.add_argument("--schedule", required=True, choices=list(TORCH_SCHEDULES))
-    outer.add_argument("--result", required=True, type=Path, help="JSON file (last rank)")
+    outer.add_argument("--result", required=True, type=Path, help="JSON file (rank 0)")
     args, rest = outer.parse_known_args(argv)
-    train_args = build_train_parser().parse_args(rest)
+    # the train flags are parsed under the nobubble schedule the torch one is placed and cut as,
+    # so that the flags that apply to it only (--virtual-stages) parse
+    twin = TORCH_SCHEDULES[args.schedule][1]
+    train_args = build_train_parser().parse_args(["--schedule", twin, *rest])
     cfg = peer_config(config_from_args(train_args), args.schedule)
     run_peer(cfg, args.schedule, args.result)
     return 0
