@@ -9,22 +9,31 @@ emulator does), so a ``step`` call returns without waiting on batches not fed ye
 Boundary shapes are agreed once, at the first batch: rank 0 runs its stage on micro-batch 0 and
 sends the structure, shapes and dtypes of its output to rank 1, which runs its stage on zeros of
 that shape, and so on down the pipeline (one forward per stage, no gradient).
+
+With ``data_parallel=D`` the world is D replicas of the pipeline on a ``(dp, pp)`` DeviceMesh:
+"rank" above means the pipeline rank (the stage, the pp coordinate), point-to-point goes to the
+global ranks of this replica's stages, and before each STEP the stage's gradients are averaged
+over its dp group (``data_parallel.GradReducer``, placed by ``comm.with_allreduce``). Each
+replica feeds its own batch (``Pipeline.shard`` cuts it from a global one).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils import _pytree as pytree
 
 from nobubble.core.comm import GATHER, RECV, SEND, Batch, check_communication
 from nobubble.core.ir import STEP, Action, F, Schedule
+from nobubble.distributed.data_parallel import GradReducer
 from nobubble.distributed.transport import (
     EVAL_TAG_BASE,
     DistTransport,
@@ -40,9 +49,29 @@ Spec = tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]  # treespec, leaf s
 MAX_LEAVES = 1024  # evaluation tags: one per boundary leaf of a micro-batch
 
 
-def join(num_stages: int, stages: Sequence[nn.Module]) -> int:
-    """Join (or start, from torchrun's environment) the process group; this process's rank,
-    which is the stage it runs. The world must hold one process per stage."""
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place on the (dp, pp) device mesh: it runs stage ``pp_rank`` of replica
+    ``dp_rank``; ``pp_ranks[s]`` is the global rank of stage s of its replica."""
+
+    pp_rank: int
+    dp_rank: int
+    pp_ranks: list[int]
+    pp_group: Any
+    dp_group: Any
+    device_mesh: Any
+
+
+def join(num_stages: int, stages: Sequence[nn.Module], data_parallel: int = 1) -> Mesh:
+    """Join (or start, from torchrun's environment) the process group and lay the world out
+    as a ``(data_parallel, num_stages)`` DeviceMesh with dims ("dp", "pp"). The world must hold
+    one process per stage and replica."""
+    world_needed = num_stages * data_parallel
+    how = (
+        f"{num_stages} stages"
+        if data_parallel == 1
+        else f"{num_stages} stages × data_parallel={data_parallel}"
+    )
     if not dist.is_initialized():
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
@@ -50,18 +79,29 @@ def join(num_stages: int, stages: Sequence[nn.Module]) -> int:
         if missing:
             raise ValueError(
                 f"runtime='dist' needs a process group: start the script with torchrun "
-                f"(--nproc-per-node {num_stages}) or set {', '.join(missing)}"
+                f"(--nproc-per-node {world_needed}) or set {', '.join(missing)}"
             )
-        device = next(stages[int(os.environ["RANK"])].parameters()).device
+        world_env = int(os.environ["WORLD_SIZE"])
+        if world_env != world_needed:  # before the rendezvous, which would wait for no one
+            raise ValueError(_world_error(world_env, world_needed, how))
+        device = next(stages[int(os.environ["RANK"]) % num_stages].parameters()).device
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=600))
     world = dist.get_world_size()
-    if world != num_stages:
-        raise ValueError(
-            f"runtime='dist' runs one stage per process: the world holds {world} processes for "
-            f"{num_stages} stages; start {num_stages} processes"
-        )
-    return dist.get_rank()
+    if world != world_needed:
+        raise ValueError(_world_error(world, world_needed, how))
+    device = next(stages[dist.get_rank() % num_stages].parameters()).device
+    mesh = init_device_mesh(device.type, (data_parallel, num_stages), mesh_dim_names=("dp", "pp"))
+    dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    pp_ranks = [int(r) for r in mesh.mesh[dp_rank].tolist()]
+    return Mesh(pp_rank, dp_rank, pp_ranks, mesh.get_group("pp"), mesh.get_group("dp"), mesh)
+
+
+def _world_error(world: int, needed: int, how: str) -> str:
+    return (
+        f"runtime='dist' runs one process per stage and replica: the world holds {world} "
+        f"processes for {how}; start {needed} processes (torchrun --nproc-per-node {needed})"
+    )
 
 
 def release_others(stages: list[torch.nn.Module], rank: int) -> None:
@@ -88,9 +128,10 @@ def _objects_group(device: torch.device) -> Any:
     return dist.new_group(backend="gloo") if device.type == "cuda" else None
 
 
-def gather_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()})
+def gather_state(state: dict[str, torch.Tensor], group: Any = None) -> dict[str, torch.Tensor]:
+    """Every stage's ``state`` merged, gathered over the replica's ``group``."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=group)
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         merged.update(part)
@@ -161,6 +202,8 @@ class TreeTransport(DistTransport):
         from nobubble.core.comm import COLLECTIVES
 
         while (batch := self._next_batch(position)) is not None:
+            if self._post_allreduce(batch):
+                continue
             if batch.ops[0].kind in COLLECTIVES:
                 return
             self.cursor += 1
@@ -171,11 +214,13 @@ class TreeTransport(DistTransport):
                     handed = self.leaves_out.pop(op.message, None)
                     assert handed is not None, f"plan sends {op.message}; nothing handed over"
                     tensors = handed
-                    ops += [dist.P2POp(dist.isend, t, op.peer, tag=0) for t in tensors]
+                    peer = self.ranks[op.peer]
+                    ops += [dist.P2POp(dist.isend, t, peer, tag=0) for t in tensors]
                 else:
                     assert op.kind == RECV
                     tensors = self._buffers(op.message)
-                    ops += [dist.P2POp(dist.irecv, t, op.peer, tag=0) for t in tensors]
+                    peer = self.ranks[op.peer]
+                    ops += [dist.P2POp(dist.irecv, t, peer, tag=0) for t in tensors]
                 per_op.append(tensors)
             handle = self._launch(ops)
             for op, tensors in zip(batch.ops, per_op, strict=True):
@@ -216,6 +261,8 @@ class TreeTransport(DistTransport):
         assert batch.ops[0].message.number == step, f"plan gathers {batch.ops[0]}, not step {step}"
         self.cursor += 1
         square, mine = self.tied_shares.pop(step)
+        if self.reducer is not None:  # the averaged gradients' share (DistTransport._share)
+            square, mine = self.reducer.share()
         grads = {(stage, name): g for name, g in mine.items()}
         ops = []
         for a, name_a, b, name_b in self.ties:
@@ -224,8 +271,9 @@ class TreeTransport(DistTransport):
                 if stage == b:
                     own, peer, other = name_b, a, (a, name_a)
                 grads[other] = torch.empty_like(mine[own])
-                ops.append(dist.P2POp(dist.isend, mine[own].contiguous(), peer, tag=0))
-                ops.append(dist.P2POp(dist.irecv, grads[other], peer, tag=0))
+                to = self.ranks[peer]
+                ops.append(dist.P2POp(dist.isend, mine[own].contiguous(), to, tag=0))
+                ops.append(dist.P2POp(dist.irecv, grads[other], to, tag=0))
         if ops:
             self._launch(ops).wait(self.timeout_s, f"the tied gradients of step {step}")
         mine_squares = [square.detach().to(self.device, torch.float64).reshape(1)]
@@ -258,13 +306,19 @@ class RankRunner:
             self.pointer[self.rank] = 1 + next(
                 i for i, a in enumerate(order) if a.kind == STEP and a.number == start_step
             )
+        self.ranks: list[int] = pipe.mesh.pp_ranks  # global rank of each stage of the replica
         self.transport: TreeTransport | None = None
         self.interpreter: Interpreter | None = None
         self.current: Action | None = None  # the action being run (failure messages name it)
         self.objects = _objects_group(worker.device)
 
     def _plan(self) -> list[Batch]:
-        plans = check_communication(self.schedule, self.pipe.meets, self.pipe.drains)
+        plans = check_communication(
+            self.schedule,
+            self.pipe.meets,
+            self.pipe.drains,
+            data_parallel=self.pipe.data_parallel > 1,
+        )
         return plans[self.rank]
 
     def set_schedule(self, schedule: Schedule) -> None:
@@ -282,7 +336,7 @@ class RankRunner:
             inputs = worker._to_device(self.pipe.batches[min(self.pipe.batches)][0])
         else:
             box: list[Any] = [None]
-            dist.recv_object_list(box, src=rank - 1, group=self.objects)
+            dist.recv_object_list(box, src=self.ranks[rank - 1], group=self.objects)
             in_spec = box[0]
             assert in_spec is not None
             flat = [
@@ -297,7 +351,7 @@ class RankRunner:
             out_spec = _spec(out)
             if not differentiable(out):
                 raise TypeError(f"stage {rank} output holds no floating tensor to train through")
-            dist.send_object_list([out_spec], dst=rank + 1, group=self.objects)
+            dist.send_object_list([out_spec], dst=self.ranks[rank + 1], group=self.objects)
         # nobubble train's runtime sets these before the first step: spans recorded on its
         # clock, and NCCL's completion rules on any backend (--strict-p2p)
         options = self.pipe.runner_options
@@ -312,6 +366,9 @@ class RankRunner:
             self.pipe.timeout,
             self.pipe.ties,
         )
+        mesh, dp = self.pipe.mesh, self.pipe.data_parallel
+        reducer = GradReducer(worker, dp, self.pipe.bucket_mb) if dp > 1 else None
+        self.transport.use_mesh(self.ranks, mesh.pp_group, reducer, mesh.dp_group)
         clock = {"clock": options["clock"]} if "clock" in options else {}
         self.interpreter = Interpreter(
             [worker],
@@ -335,10 +392,11 @@ class RankRunner:
                 inputs = x
             else:
                 box: list[Any] = [None]
-                dist.recv_object_list(box, src=rank - 1, group=self.objects)
+                dist.recv_object_list(box, src=self.ranks[rank - 1], group=self.objects)
                 treespec, leaves = box[0]
                 flat = [torch.empty(sh, dtype=dt, device=worker.device) for sh, dt in leaves]
-                works = [dist.irecv(t, rank - 1, tag=tag + k) for k, t in enumerate(flat)]
+                source = self.ranks[rank - 1]
+                works = [dist.irecv(t, source, tag=tag + k) for k, t in enumerate(flat)]
                 self._wait(works, f"the evaluation input {i} from rank {rank - 1}")
                 inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(treespec))
             out = worker.infer(inputs, y if rank == last else None)
@@ -348,9 +406,10 @@ class RankRunner:
             spec = _spec(out)
             if len(spec[1]) > MAX_LEAVES:
                 raise ValueError(f"stage {rank} output has more than {MAX_LEAVES} tensors")
-            dist.send_object_list([spec], dst=rank + 1, group=self.objects)
+            dist.send_object_list([spec], dst=self.ranks[rank + 1], group=self.objects)
             flat_out = [t.contiguous() for t in pytree.tree_leaves(out)]
-            works = [dist.isend(t, rank + 1, tag=tag + k) for k, t in enumerate(flat_out)]
+            dest = self.ranks[rank + 1]
+            works = [dist.isend(t, dest, tag=tag + k) for k, t in enumerate(flat_out)]
             self._wait(works, f"the evaluation output {i} to rank {rank + 1}")
         return losses if rank == last else None
 
