@@ -7,6 +7,12 @@ points are where ranks meet: validation through the pipeline (``Pipeline.evaluat
 gathering of per-step figures and spans for the run directory (written by the last rank, which
 holds the loss), and checkpoints (each rank writes its part; the manifest is written once all
 exist).
+
+With ``--data-parallel D`` the world is D replicas of the pipeline (global rank = dp·P + pp, the
+layout of ``init_device_mesh((D, P), ("dp", "pp"))``): replica r reads the r-th slice of every
+global micro-batch, the ranks of dp 0 write the checkpoint (one part per stage: the replicas
+hold the same weights), and the writer, the last stage of replica 0, averages the replicas'
+losses into the metrics.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch.distributed as dist
 
 from nobubble.assemble import load_data, make_model, make_pipeline, make_plan
 from nobubble.checkpoint import (
-    check_fingerprint,
+    check_resumable,
     check_work_left,
     finalize,
     load_part,
@@ -42,6 +48,7 @@ from nobubble.core.sim.metrics import measured_utilization
 from nobubble.core.viz import save_gantt, save_trace, trace_events
 from nobubble.distributed.api import release_others
 from nobubble.distributed.clock import CudaClock, HostClock
+from nobubble.distributed.data_parallel import overlap
 from nobubble.distributed.transport import StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
 from nobubble.metrics import MetricsWriter, truncate_metrics
@@ -107,7 +114,10 @@ def _check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGro
 class RankRun:
     def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
-        self.rank, self.last = env.rank, env.world_size - 1
+        P = self.num_stages = cfg.stages
+        # rank: the global rank; stage and dp: its (pp, dp) coordinates on the mesh
+        self.rank, self.stage, self.dp = env.rank, env.rank % P, env.rank // P
+        self.last = P - 1  # the writer: the last stage of replica 0 (global rank P-1)
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
         self.objects = dist.new_group(backend="gloo") if device.type == "cuda" else None
         _check_same_config(cfg, env.world_size, self.objects)
@@ -117,7 +127,7 @@ class RankRun:
         self.start_step, manifest = 0, None
         if cfg.resume:
             manifest = read_manifest(self.run_dir)
-            check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
+            check_resumable(manifest, cfg, self.run_dir)
             self.start_step = manifest["step"]
             check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
         if self.rank != 0:
@@ -127,14 +137,20 @@ class RankRun:
             self._barrier()
         self.plan = make_plan(cfg, self.data.vocab_size)
         stages = make_model(self.plan).stages
-        stages[self.rank] = stages[self.rank].to(self.device)
+        stages[self.stage] = stages[self.stage].to(self.device)
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
+        assert (self.pipe.rank, self.pipe.dp_rank) == (self.stage, self.dp), "mesh layout"
         # What every rank will post is checked to complete under NCCL's rules before any step.
-        check_communication(self.plan.schedule, self.pipe.meets, self.plan.drain_points)
-        release_others(stages, self.rank)
+        check_communication(
+            self.plan.schedule,
+            self.pipe.meets,
+            self.plan.drain_points,
+            data_parallel=cfg.data_parallel > 1,
+        )
+        release_others(stages, self.stage)
         self.worker = self.pipe.workers[0]
         if manifest is not None:
-            part = load_part(self.run_dir, manifest, self.rank, self.device)
+            part = load_part(self.run_dir, manifest, self.stage, self.device)
             self.pipe.load_stage_parts(self.start_step, [part])
             self.worker = self.pipe.workers[0]
             wrong = misplaced(self.worker.state_dict(), self.device)
@@ -173,7 +189,7 @@ class RankRun:
 
     @property
     def position(self) -> int:
-        return int(self.runner.pointer[self.rank])
+        return int(self.runner.pointer[self.stage])
 
     # ----- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult | None:
@@ -208,9 +224,13 @@ class RankRun:
     def _run_until(self, done: int, step: int) -> None:
         """Feed batches ``done`` .. ``step - 1`` and drain after step ``step``."""
         m = self.plan.schedule.num_microbatches
+        b, d = self.cfg.micro_batch_size, self.cfg.data_parallel
         for j in range(done, step):
+            # replica r's micro-batch i: the r-th slice of global micro-batch i (D·b sequences)
             pieces = [
-                self.data.train_microbatch(i, self.cfg.micro_batch_size)
+                tuple(
+                    t[self.dp * b : (self.dp + 1) * b] for t in self.data.train_microbatch(i, b * d)
+                )
                 for i in range(j * m, (j + 1) * m)
             ]
             x, y = torch.cat([a for a, _ in pieces]), torch.cat([b for _, b in pieces])
@@ -231,8 +251,9 @@ class RankRun:
 
     # ----- drain points --------------------------------------------------------------------------
     def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
-        P = self.env.world_size
-        neighbours = [r for r in (self.rank - 1, self.rank + 1) if 0 <= r < P]
+        P = self.num_stages
+        base = self.dp * P  # this replica's first global rank
+        neighbours = [base + s for s in (self.stage - 1, self.stage + 1) if 0 <= s < P]
         self.meeting = f"pipelined validation after step {step}", neighbours
         val_loss = validation_loss(self.pipe, self.cfg, self.data)
         segment = self.interpreter.spans[self.segment_start :]
@@ -241,9 +262,11 @@ class RankRun:
             "grad_norms": self.grad_norms,
             "times": self.step_times,
             "spans": [(str(a), s, e) for a, s, e in segment],
+            "losses": self.losses,  # the last stage's, of this replica's micro-batches
         }
+        self.losses = {}
         gathered: list[Any] = [None] * self.env.world_size
-        others = [r for r in range(P) if r != self.rank]
+        others = [r for r in range(self.env.world_size) if r != self.rank]
         self.meeting = f"gathering the metrics of step {step}", others
         dist.all_gather_object(gathered, mine, group=self.objects)
         if self.rank == self.last:
@@ -252,7 +275,8 @@ class RankRun:
         every = self.cfg.checkpoint_every
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
-            save_part(staging_dir(self.run_dir, step), self.rank, self.worker.state_dict())
+            if self.dp == 0:  # one part per stage: the replicas hold the same state
+                save_part(staging_dir(self.run_dir, step), self.stage, self.worker.state_dict())
             self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
                 finalize(
@@ -273,17 +297,21 @@ class RankRun:
         val_loss: float | None,
         writer: MetricsWriter | None,
     ) -> None:
-        m = self.plan.schedule.num_microbatches
+        m, P, D = self.plan.schedule.num_microbatches, self.num_stages, self.cfg.data_parallel
         done = sorted(gathered[self.last]["times"])
         for j in done:
-            losses = [self.losses.pop(i) for i in range((j - 1) * m, j * m)]
+            # a micro-batch's loss: the mean of its D slices' (equal-size means), replica order
+            losses = [
+                sum(g["losses"].pop(i) for g in gathered[P - 1 :: P]) / D
+                for i in range((j - 1) * m, j * m)
+            ]
             record = {
                 "step": j,
                 "loss": sum(losses) / len(losses),
                 "lr": self.worker.lr_of(j),
                 "tokens": j * self.cfg.tokens_per_step,
                 "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
-                "grad_norm": [g["grad_norms"][j] for g in gathered],
+                "grad_norm": [g["grad_norms"][j] for g in gathered[:P]],  # replica 0's stages
             }
             if j == step:  # the drain point: validation and the segment's measured timeline
                 record["val_loss"] = val_loss
@@ -331,9 +359,10 @@ class RankRun:
             "peaks": (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live),
             "state": (
                 {k: v.cpu() for k, v in w.module.state_dict().items()}
-                if self.cfg.sample_tokens
+                if self.cfg.sample_tokens and self.dp == 0
                 else {}
             ),
+            "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)
@@ -387,9 +416,16 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
         text = sample_from_state(run.plan, state, run.data)
         if text is not None:
             (run.run_dir / "sample.txt").write_text(text + "\n")
-    peaks = [g["peaks"] for g in gathered]
+    peaks = [g["peaks"] for g in gathered[: run.num_stages]]  # replica 0's stages
     summary = run_summary(run.cfg, run.records, peaks, text)
     summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
+    if run.cfg.data_parallel > 1:  # seconds per all-reduce, and the share hidden behind work
+        figures = [g["allreduce"] for g in gathered]
+        summary.update(
+            data_parallel=run.cfg.data_parallel,
+            allreduce_s=sum(f["allreduce_s"] for f in figures) / len(figures),
+            allreduce_overlap=sum(f["allreduce_overlap"] for f in figures) / len(figures),
+        )
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return RunResult(run.run_dir, run.records, summary)
 
@@ -430,11 +466,15 @@ def resolve_device(
 def run_rank(cfg: TrainConfig) -> RunResult | None:
     """Entry point of one process (torchrun or ``nobubble train --runtime dist``)."""
     env = RankEnv.from_environ()
-    if env.world_size != cfg.stages:
+    world = cfg.stages * cfg.data_parallel
+    if env.world_size != world:
+        layout = f"--stages {cfg.stages}"
+        if cfg.data_parallel > 1:
+            layout += f" × --data-parallel {cfg.data_parallel} = {world}"
         raise ValueError(
-            f"world size {env.world_size} does not match --stages {cfg.stages}: "
-            f"launch {cfg.stages} processes (torchrun --nproc-per-node "
-            f"{cfg.stages}) or set --stages {env.world_size}"
+            f"world size {env.world_size} does not match {layout}: launch {world} processes "
+            f"(torchrun --nproc-per-node {world}, or --nnodes N with {world} in all) or set "
+            f"--stages and --data-parallel so that their product is {env.world_size}"
         )
     device, backend = resolve_device(cfg, env.local_rank, env.local_world_size)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
@@ -465,6 +505,12 @@ def _close(run: RankRun | None) -> None:
         run.transport.close()  # its stream thread ends here, not at interpreter exit
 
 
+def _coordinates(cfg: TrainConfig, rank: int) -> str:
+    """``3 (dp 1, pp 1: stage 1)``: a global rank and its place on the (dp, pp) mesh."""
+    dp, pp = divmod(rank, cfg.stages)
+    return f"{rank} (dp {dp}, pp {pp}: stage {pp})"
+
+
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:
     where = "during setup"
     if run is not None and getattr(run, "meeting", None) is not None:
@@ -473,8 +519,14 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         names = ", ".join(str(r) for r in ranks)
         where = f"in the {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
     elif run is not None and getattr(run, "pipe", None) is not None and run.current is not None:
-        peer = run.transport.peer_of_last_wait
-        waiting = f", waiting for rank {peer}" if peer is not None else ""
+        peer = run.transport.peer_of_last_wait  # a stage of this replica
+        waiting = ""
+        if peer is not None:
+            waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.stages + peer)}"
+        elif run.current.kind == STEP and cfg.data_parallel > 1:
+            peers = [d * cfg.stages + run.stage for d in range(cfg.data_parallel) if d != run.dp]
+            names = ", ".join(_coordinates(cfg, r) for r in peers)
+            waiting = f", in the dp all-reduce with rank{'s' if len(peers) > 1 else ''} {names}"
         where = f"at position {run.position} ({run.current}){waiting}"
     run_dir = run.run_dir if run is not None else (cfg.resume or cfg.out)
     try:
@@ -488,7 +540,7 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
     )
     log.debug("rank %d failed", env.rank, exc_info=err)  # the traceback, with -v
     print(
-        f"nobubble: rank {env.rank} (stage {env.rank}) failed {where}: "
+        f"nobubble: rank {_coordinates(cfg, env.rank)} failed {where}: "
         f"{type(err).__name__}: {err}; {resume}",
         file=sys.stderr,
         flush=True,
