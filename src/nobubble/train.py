@@ -132,9 +132,10 @@ def merged_state(stages: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def validation_loss(pipe: Pipeline, cfg: TrainConfig, data: TokenData) -> float | None:
-    """The run's validation loss: ``--eval-batches`` batches of global micro-batch size
-    (``--micro-batch-size`` × ``--data-parallel``) windows through the pipeline (``Pipeline.evaluate``), the mean of their losses; None on a
-    rank of the multi-process runtime that does not hold the last stage."""
+    """The run's validation loss: ``--eval-batches`` batches of the global micro-batch size
+    (``--micro-batch-size`` × ``--data-parallel``) windows through the pipeline
+    (``Pipeline.evaluate``), the mean of their losses; None on a rank of the multi-process
+    runtime that does not hold the last stage."""
     batches = data.val_batches(cfg.global_micro_batch_size, cfg.eval_batches)
     inputs = torch.cat([x for x, _ in batches])
     targets = torch.cat([y for _, y in batches])
