@@ -210,3 +210,25 @@ def test_every_step_all_reduces_once_with_no_receive_pending_across_it():
                                 for b in batches[:k]
                                 for op in b.ops
                             ), (name, rank, step)
+
+
+# ----- the simulator's cost of the all-reduce ----------------------------------------------------
+def test_the_simulator_adds_the_all_reduce_to_every_step_of_every_stage():
+    """P=1 closed form: each step is M forwards and backwards, then the all-reduce it waits
+    for; at P=2 under 1F1B's flush each step's critical path crosses both stages' STEP once
+    before the next batch starts, so N steps add N·allreduce too."""
+    from nobubble.core.schedules import build_schedule
+    from nobubble.core.sim import CostModel, simulate
+    from nobubble.core.sim.cost import ring_allreduce
+
+    fwd, bwd, a, steps, micro = 1.0, 2.0, 0.75, 3, 4
+    one = build_schedule("1f1b", 1, micro, steps)
+    cost = CostModel(fwd=fwd, bwd=bwd, allreduce=a)
+    assert simulate(one, cost).metrics.makespan == steps * (micro * (fwd + bwd) + a)
+    two = build_schedule("1f1b", 2, micro, steps)
+    base = simulate(two, CostModel(fwd=fwd, bwd=bwd)).metrics.makespan
+    assert simulate(two, cost).metrics.makespan == base + steps * a
+    assert ring_allreduce(8.0, 4, bandwidth=1.0) == 2 * 3 * 2.0  # 2(D-1) hops of bytes/D
+    assert ring_allreduce(8.0, 1, bandwidth=1.0) == 0.0
+    with pytest.raises(ValueError, match="--allreduce must be finite and >= 0"):
+        CostModel(allreduce=-1.0)

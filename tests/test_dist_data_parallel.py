@@ -267,3 +267,19 @@ def test_a_killed_rank_of_a_replica_stops_every_rank_and_resume_reproduces_the_r
     for ours, theirs in zip(load_parts(out, STAGES), load_parts(reference, STAGES), strict=True):
         assert_same_state(ours, theirs)
     assert processes_of(str(out)) == []
+
+
+@pytest.mark.slow
+def test_a_hung_rank_of_a_replica_is_found_by_the_timeout_and_every_rank_stops(corpus, tmp_path):
+    """A stopped (SIGSTOP) rank closes no connection: its pp neighbour's receive and its dp
+    peer's all-reduce find it by --dist-timeout, and the launcher stops the rest."""
+    timeout, out, victim = 4.0, tmp_path / "run", 2  # rank 2: dp 1, pp 0
+    flags = [*dp_flags(corpus), "--dist-timeout", str(timeout)]
+    code, seconds, stderr = hit_rank_after_first_checkpoint(
+        flags, out, rank=victim, sig=signal.SIGSTOP, bound=3 * timeout
+    )
+    print(f"\nlauncher exited {seconds:.2f} s after rank {victim} (dp 1, pp 0) hung")
+    print("\n".join(line for line in stderr.splitlines() if "nobubble" in line))
+    assert_stopped(out, code, stderr)
+    assert "waiting for rank 2 (dp 1, pp 0: stage 0)" in stderr, stderr[-3000:]
+    assert timeout <= seconds < 2 * timeout + 5 + 10
