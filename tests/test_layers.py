@@ -34,6 +34,7 @@ LAYERS = {
     "distributed.transport": 2,
     "distributed.clock": 2,
     "distributed.api": 2,
+    "distributed.data_parallel": 2,  # the dp all-reduce, beside the transport
     "config": 3,
     "train": 3,
     "checkpoint": 3,

@@ -143,7 +143,7 @@ def load_data(cfg: TrainConfig) -> TokenData:
 def check_val_split(cfg: TrainConfig, data: TokenData) -> None:
     """Refuse data whose validation split holds less than one micro-batch of windows now,
     before training, rather than at the first evaluation."""
-    windows, batch = data.num_val_windows, cfg.micro_batch_size
+    windows, batch = data.num_val_windows, cfg.global_micro_batch_size
     if windows >= batch:
         return
     longest = (data.num_val_tokens - 1) // batch  # the most tokens per window that fit B windows
@@ -200,6 +200,8 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate")
         steps=cfg.steps,
         runtime=runtime,
         timeout=cfg.dist_timeout,
+        data_parallel=cfg.data_parallel,
+        bucket_mb=cfg.bucket_mb,
     )
 
 

@@ -114,6 +114,26 @@ def check_fingerprint(manifest: dict[str, Any], fingerprint: dict[str, Any], whe
         )
 
 
+def check_resumable(manifest: dict[str, Any], cfg: Any, where: Path) -> None:
+    """The checkpoint's run is this config's: the same global batch (any split of it into
+    replicas: the fingerprint holds micro_batch_size × data_parallel), then every other field."""
+    saved = manifest["fingerprint"].get("micro_batch_size")
+    now = cfg.global_micro_batch_size
+    if saved != now:
+        hint = (
+            f"--micro-batch-size {saved // cfg.data_parallel} at --data-parallel "
+            f"{cfg.data_parallel}"
+            if isinstance(saved, int) and saved % cfg.data_parallel == 0
+            else f"a --data-parallel that divides {saved}"
+        )
+        raise CheckpointError(
+            f"the checkpoint in {str(where)!r} trained global micro-batches of {saved} sequences; "
+            f"--micro-batch-size {cfg.micro_batch_size} × --data-parallel {cfg.data_parallel} "
+            f"= {now} would change the run: use {hint}"
+        )
+    check_fingerprint(manifest, cfg.fingerprint(), where)
+
+
 def load_part(
     run_dir: Path, manifest: dict[str, Any], stage: int, device: torch.device | str = "cpu"
 ) -> dict[str, Any]:

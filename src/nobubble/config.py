@@ -59,6 +59,8 @@ RUNTIME_ONLY = (
     "device",
     "backend",
     "strict_p2p",
+    "data_parallel",  # the fingerprint holds the global micro-batch instead (resume at any D)
+    "bucket_mb",
 )
 
 
@@ -89,6 +91,10 @@ class TrainConfig:
     backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl.
     strict_p2p: run point-to-point under NCCL's completion rules on any backend (one stream per
         rank; a testing aid that makes an order NCCL would deadlock on hang on gloo too).
+    data_parallel: D pipeline replicas (--runtime dist): P·D processes; each stage averages its
+        gradients over its D replicas before every step. ``micro_batch_size`` is per replica:
+        the run reads global micro-batches of D·micro_batch_size sequences, replica r the r-th
+        slice of each. bucket_mb: the all-reduce's bucket size.
     model: a preset (tiny, mini, ...) or hf:PATH, a Hugging Face model folder or config.json
         (Llama family or GPT-2; a config alone gets a random init from --seed).
     untie_embeddings: a Hugging Face model with tied embeddings trains its head as a separate
@@ -137,6 +143,8 @@ class TrainConfig:
     backend: str = "auto"
     strict_p2p: bool = False
     untie_embeddings: bool = False
+    data_parallel: int = 1
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -160,6 +168,7 @@ class TrainConfig:
             "eval_every",
             "eval_batches",
             "seq_len",
+            "data_parallel",
         ):
             _positive(name, getattr(self, name))
         for name in (
@@ -240,6 +249,20 @@ class TrainConfig:
                 "--device cuda, --backend and --strict-p2p apply to --runtime dist; the "
                 "emulator runs every stage in one process on the CPU: use --runtime dist"
             )
+        if self.data_parallel > 1 and self.runtime != "dist":
+            raise ValueError(
+                f"--data-parallel {self.data_parallel} needs --runtime dist (one process per "
+                "stage and replica); the emulator runs one replica: give it --micro-batch-size "
+                f"{self.data_parallel * self.micro_batch_size} (D × b) for the same numbers"
+            )
+        if self.data_parallel > 1 and self.model_stages != self.stages:
+            raise ValueError(
+                f"--data-parallel {self.data_parallel} with --schedule {self.schedule} "
+                f"({self.model_stages // self.stages} stages per rank): data parallelism runs "
+                "one stage per rank for now; use 1f1b, zb-h1, gpipe, 2bw, pipedream or paci"
+            )
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"--bucket-mb {self.bucket_mb!r}: use a bucket size in MB > 0")
         if self.paci_recompute and self.schedule != "paci":
             raise ValueError("--paci-recompute applies to --schedule paci only")
         every = self.checkpoint_every
@@ -364,8 +387,13 @@ class TrainConfig:
         return self.clip_scope == "global"
 
     @property
+    def global_micro_batch_size(self) -> int:
+        """Sequences per micro-batch over all replicas: what a run at D=1 would read."""
+        return self.micro_batch_size * self.data_parallel
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.num_microbatches * self.micro_batch_size * self.seq_len
+        return self.num_microbatches * self.global_micro_batch_size * self.seq_len
 
     def optim_config(self) -> OptimConfig:
         return OptimConfig(
@@ -394,8 +422,11 @@ class TrainConfig:
         return data
 
     def fingerprint(self) -> dict[str, Any]:
-        """The fields that fix the numbers (everything but where and how it runs)."""
-        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_ONLY}
+        """The fields that fix the numbers (everything but where and how it runs). The
+        micro-batch is the global one: a run resumes at another D with the same global batch."""
+        values = {k: v for k, v in asdict(self).items() if k not in RUNTIME_ONLY}
+        values["micro_batch_size"] = self.global_micro_batch_size
+        return values
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

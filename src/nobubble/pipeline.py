@@ -185,6 +185,12 @@ class Pipeline:
             interleaved-1f1b's r, r+P, ... and zbv's r and 2P-1-r).
         timeout: seconds a "dist" rank waits for a peer before it reports which one it waited
             for.
+        data_parallel: with runtime="dist", D replicas of the pipeline: the world is P·D
+            processes on a DeviceMesh with dims ("dp", "pp"), and before each of its steps a
+            stage averages its gradients over its D replicas (a bucketed all-reduce of
+            ``bucket_mb`` MB buckets). Each process feeds its replica's batch: ``shard`` cuts it
+            from a global batch, so that D replicas with micro-batches of b train as one
+            pipeline with micro-batches of D·b (up to the order of the average's additions).
         steps: the total number of steps, when known: the schedule then ends there (the last
             drain keeps no weight version for a batch that will not come); None: open-ended.
     """
@@ -212,6 +218,8 @@ class Pipeline:
         runtime: str = "emulate",
         steps: int | None = None,
         timeout: float = 600.0,
+        data_parallel: int = 1,
+        bucket_mb: float = 25.0,
     ) -> None:
         self.stages = _check_stages(stages)
         if steps is not None and (
@@ -305,9 +313,17 @@ class Pipeline:
                 f"{where.kind} placement; split with untie=True (--untie-embeddings), or use "
                 "runtime='emulate'"
             )
-        self.rank = (
-            None if runtime == "emulate" else _dist().join(self.num_stages, self.stages, where)
+        self.data_parallel, self.bucket_mb = _check_data_parallel(
+            data_parallel, bucket_mb, runtime, where.num_ranks, self.num_stages
         )
+        self.mesh = (
+            None
+            if runtime == "emulate"
+            else _dist().join(self.num_stages, self.stages, where, data_parallel)
+        )
+        # this process's pipeline rank (its pp coordinate) and its replica (dp coordinate)
+        self.rank = None if self.mesh is None else self.mesh.pp_rank
+        self.dp_rank = 0 if self.mesh is None else self.mesh.dp_rank
         # the stages run here: all of them, or the rank's (one, or v in pipeline order)
         self.local = (
             list(range(self.num_stages)) if self.rank is None else list(where.stages_of(self.rank))
@@ -431,6 +447,12 @@ class Pipeline:
         self.emulator.set_schedule(schedule)
 
     # ----- feeding -----------------------------------------------------------------------------
+    def shard(self, batch: Tree) -> Tree:
+        """This replica's part of a global batch (inputs or targets) of M micro-batches of
+        D·b rows each: micro-batch m of replica r is rows r·b .. r·b+b-1 of global micro-batch
+        m. With data_parallel=1, the batch itself."""
+        return _shard_tree(batch, self.microbatches, self.data_parallel, self.dp_rank)
+
     def _batch(self, m: int) -> tuple[Tree, Tree]:
         return self.batches[m]
 
@@ -578,8 +600,8 @@ class Pipeline:
         for s in self.local:
             for name, tensor in self.stages[s].state_dict().items():
                 state[name] = tensor.detach().clone()
-        if self.rank is not None:
-            return _dist().gather_state(state)
+        if self.mesh is not None:
+            return _dist().gather_state(state, self.mesh.pp_group)
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -649,6 +671,51 @@ def _dist() -> Any:
     from nobubble.distributed import api
 
     return api
+
+
+def _check_data_parallel(
+    data_parallel: Any, bucket_mb: Any, runtime: str, num_ranks: int, num_stages: int
+) -> tuple[int, float]:
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(
+            f"data_parallel={data_parallel!r} is not allowed: use the number of pipeline "
+            "replicas, an integer >= 1"
+        )
+    if data_parallel > 1 and runtime != "dist":
+        raise ValueError(
+            f"data_parallel={data_parallel} needs runtime='dist' (one process per stage and "
+            "replica); the emulator runs one replica: give it micro-batches data_parallel "
+            "times larger for the same numbers"
+        )
+    if data_parallel > 1 and num_ranks != num_stages:
+        raise ValueError(
+            "data_parallel > 1 runs one stage per rank: use a schedule without virtual stages"
+        )
+    if not (isinstance(bucket_mb, int | float) and math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb={bucket_mb!r}: use a bucket size in MB > 0")
+    return data_parallel, float(bucket_mb)
+
+
+def _shard_tree(value: Tree, m: int, d: int, r: int) -> Tree:
+    if d == 1:
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % (m * d):
+            raise ValueError(
+                f"a batch of {value.shape[0] if value.dim() else 'no'} rows does not split into "
+                f"{m} micro-batches of {d} replicas: pass a global batch whose dim 0 is a "
+                f"multiple of microbatches × data_parallel = {m * d}"
+            )
+        rows = value.shape[0] // (m * d)
+        # (M·D·b, ...) -> (M, D, b, ...): micro-batch, replica, row
+        return value.reshape(m, d, rows, *value.shape[1:])[:, r].reshape(m * rows, *value.shape[1:])
+    if isinstance(value, dict):
+        return {k: _shard_tree(v, m, d, r) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_shard_tree(v, m, d, r) for v in value)
+    raise TypeError(
+        f"a batch is a tensor, or a tuple or dict of tensors, not {type(value).__name__}"
+    )
 
 
 def _num_ranks(schedule: str, num_stages: int, virtual: int) -> int:

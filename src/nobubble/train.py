@@ -27,6 +27,7 @@ from nobubble import __version__
 from nobubble.assemble import Model, Plan, load_data, make_model, make_pipeline, make_plan
 from nobubble.checkpoint import (
     check_fingerprint,
+    check_resumable,
     check_work_left,
     finalize,
     load_part,
@@ -131,10 +132,11 @@ def merged_state(stages: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def validation_loss(pipe: Pipeline, cfg: TrainConfig, data: TokenData) -> float | None:
-    """The run's validation loss: ``--eval-batches`` batches of ``--micro-batch-size``
-    windows through the pipeline (``Pipeline.evaluate``), the mean of their losses; None on a
-    rank of the multi-process runtime that does not hold the last stage."""
-    batches = data.val_batches(cfg.micro_batch_size, cfg.eval_batches)
+    """The run's validation loss: ``--eval-batches`` batches of the global micro-batch size
+    (``--micro-batch-size`` × ``--data-parallel``) windows through the pipeline
+    (``Pipeline.evaluate``), the mean of their losses; None on a rank of the multi-process
+    runtime that does not hold the last stage."""
+    batches = data.val_batches(cfg.global_micro_batch_size, cfg.eval_batches)
     inputs = torch.cat([x for x, _ in batches])
     targets = torch.cat([y for _, y in batches])
     return pipe.evaluate(inputs, targets, microbatches=len(batches))
@@ -195,7 +197,7 @@ class Trainer:
                 self.run_dir,
             )
             manifest = read_manifest(self.run_dir)
-            check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
+            check_resumable(manifest, cfg, self.run_dir)
             self.start_step = manifest["step"]
             check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
         self.data = load_data(cfg)

@@ -128,6 +128,8 @@ def bench_synthetic(args: argparse.Namespace) -> int:
         bwd,
         accum=args.microbatches,
         rounds=args.rounds,
+        data_parallel=args.data_parallel,
+        grad_mb=args.grad_mb,
     )
     if args.json:
         print(json.dumps({"synthetic": {"fwd_s": fwd, "bwd_s": bwd}, "runs": rows}))
@@ -135,6 +137,11 @@ def bench_synthetic(args: argparse.Namespace) -> int:
     print(
         f"synthetic: forward {fwd * 1e3:g} ms, backward {bwd * 1e3:g} ms, P={args.stages}, "
         f"M=a={args.microbatches}, {args.steps} steps, median of {args.rounds} rounds"
+        + (
+            f", D={args.data_parallel} replicas all-reducing {args.grad_mb:g} MB per step"
+            if args.data_parallel > 1
+            else ""
+        )
     )
     print_table(
         rows,
@@ -146,6 +153,7 @@ def bench_synthetic(args: argparse.Namespace) -> int:
             "predicted_with_latency_s",
             "error_with_latency",
             "latency_ms",
+            *(["step_measured_s", "step_predicted_s", "allreduce_ms"] * (args.data_parallel > 1)),
         ],
     )
     return 0
@@ -289,5 +297,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FWD_S,BWD_S",
         help="fixed-duration waits instead of compute, compared with the simulator",
     )
+    q.add_argument(
+        "--data-parallel",
+        type=positive_int,
+        default=1,
+        help="with --synthetic: D replicas, each stage all-reducing --grad-mb per step",
+    )
+    q.add_argument("--grad-mb", type=float, default=4.0, help="with --data-parallel: MB")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_runtime)

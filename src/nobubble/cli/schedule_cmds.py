@@ -216,6 +216,7 @@ def cost_from_args(args: argparse.Namespace) -> CostModel:
         bandwidth=args.bandwidth,
         activation_bytes=args.activation_bytes,
         wgrad=parse_durations(args.wgrad) if args.wgrad else None,
+        allreduce=args.allreduce,
     )
 
 
@@ -331,6 +332,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency", type=float, default=0.0, help="per-transfer latency")
     p.add_argument("--bandwidth", type=float, default=float("inf"), help="bytes per time unit")
     p.add_argument("--activation-bytes", type=float, default=0.0, help="bytes per transfer")
+    p.add_argument(
+        "--allreduce",
+        type=float,
+        default=0.0,
+        help="data-parallel all-reduce of a stage's gradients, per step and stage (added to "
+        "the STEP, which waits for it)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object keyed by schedule")
     p.add_argument("--trace", metavar="OUT.json", help="write a Perfetto/Chrome trace")
     p.add_argument("--plot", metavar="OUT.png", help="write a Gantt chart")

@@ -27,7 +27,7 @@ HELP = {
     "eval_every": "validate (and drain async schedules) every K steps",
     "checkpoint_every": "checkpoint every K steps (multiple of --eval-every; 0: at the end)",
     "dtype": "fp32 | bf16 (autocast, fp32 master weights)",
-    "runtime": "emulate (one process) | dist (one process per stage)",
+    "runtime": "emulate (one process) | dist (one process per stage and replica)",
     "resume": "continue the run in this directory from its last checkpoint",
     "out": "run directory (default runs/<time>-<schedule>-<optimizer>)",
     "threads": "torch threads per process (0: torch default)",
@@ -37,6 +37,9 @@ HELP = {
     "device": "auto (cuda when available) | cpu | cuda: where --runtime dist runs each stage",
     "backend": "auto (nccl on cuda, gloo on cpu) | gloo | nccl",
     "strict_p2p": "enforce NCCL's point-to-point rules on any backend (testing aid)",
+    "data_parallel": "D pipeline replicas (--runtime dist: stages × D processes); "
+    "--micro-batch-size is per replica",
+    "bucket_mb": "bucket size (MB) of the data-parallel gradient all-reduce",
 }
 
 

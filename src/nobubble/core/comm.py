@@ -23,6 +23,10 @@ neighbour may not consume them in; its receives follow the sender's order instea
 before their consumer's turn and buffered (``sender_order.py``). A hop between two stages of
 one rank (the turn of a V placement) is a local hand-off: no operation is posted for it; a
 weight-gradient action (W) sends nothing.
+With data parallelism (``data_parallel=True``) each STEP is preceded by the all-reduce of that
+stage's gradients over its dp group (``with_allreduce``), a batch of its own after the exchange
+that posts the last backward's send, so the gradient reaches the previous stage first and no
+receive is pending across the all-reduce.
 ``prefetch_batches`` keeps the earlier runtime's order (each receive posted one action ahead,
 each operation alone) for the test that shows why it had to go.
 """
@@ -39,6 +43,9 @@ from nobubble.core.placement import Placement, rank_of
 
 SEND, RECV, GATHER, DRAIN = "send", "recv", "gather", "drain"
 COLLECTIVES = (GATHER, DRAIN)
+# the dp all-reduce of a stage's gradients: a collective of the stage's dp group, not of the
+# pipeline's ranks (see with_allreduce)
+ALLREDUCE = "allreduce"
 
 
 class CommOp(NamedTuple):
@@ -56,6 +63,8 @@ class CommOp(NamedTuple):
             return f"gather for {self.message}"
         if self.kind == DRAIN:
             return f"drain point after {self.message}"
+        if self.kind == ALLREDUCE:
+            return f"dp all-reduce for {self.message}"
         direction = "to" if self.kind == SEND else "from"
         return f"{self.kind} {self.message} {direction} rank {self.peer}"
 
@@ -181,6 +190,26 @@ def with_collectives(
     return batches
 
 
+def with_allreduce(batches: Sequence[Batch], order: Sequence[Action]) -> list[Batch]:
+    """``batches`` with each STEP's dp all-reduce: alone in its batch, at the STEP's position,
+    after the exchange posted there (the send of the last backward's gradient) and before the
+    STEP's gather of the global norm (which must see the averaged gradients)."""
+    out = list(batches)
+    for i, action in enumerate(order):
+        if action.kind != STEP:
+            continue
+        at = next(
+            (
+                k
+                for k, b in enumerate(out)
+                if b.position > i or (b.position == i and b.ops[0].kind == GATHER)
+            ),
+            len(out),
+        )
+        out.insert(at, Batch(i, (CommOp(ALLREDUCE, -1, action),)))
+    return out
+
+
 def prefetch_batches(
     schedule: Schedule, rank: int, global_clip: bool = False, drain_points: Collection[int] = ()
 ) -> list[Batch]:
@@ -218,15 +247,24 @@ def check_communication(
     global_clip: bool = False,
     drain_points: Collection[int] = (),
     planner: Planner = rank_batches,
+    data_parallel: bool = False,
 ) -> list[list[Batch]]:
     """Replay every rank's batches under the rules above; return them, or raise
-    ``CommDeadlock`` naming the mismatch or the cycle of waiting ranks."""
+    ``CommDeadlock`` naming the mismatch or the cycle of waiting ranks.
+
+    ``data_parallel``: the plans of one pipeline replica among several, with each STEP's dp
+    all-reduce (``with_allreduce``). Every replica posts the same plan, so in the replay of all
+    replicas in lockstep a stage's dp peers reach its all-reduce together: one replica's replay,
+    where an all-reduce completes once it is the rank's active batch, stands for all of them.
+    It still occupies the rank's stream, which is what the check is about."""
     if planner is rank_batches and schedule.placement.stages_per_rank > 1:
         from nobubble.core.sender_order import sender_order_plans
 
         plans = sender_order_plans(schedule, global_clip, drain_points)  # every rank's at once
     else:
         plans = [planner(schedule, r, global_clip, drain_points) for r in range(schedule.num_ranks)]
+    if data_parallel:
+        plans = [with_allreduce(p, schedule.ranks[r]) for r, p in enumerate(plans)]
     partner = _match(plans)
     _replay(schedule, plans, partner)
     return plans
@@ -251,6 +289,8 @@ def _match(plans: Sequence[Sequence[Batch]]) -> dict[OpRef, OpRef | int]:
                     sends.setdefault((rank, op.peer), []).append((ref, op.message))
                 elif op.kind == RECV:
                     recvs.setdefault((op.peer, rank), []).append((ref, op.message))
+                elif op.kind == ALLREDUCE:  # its partners are the other replicas' twins
+                    partner[ref] = ref
                 else:
                     partner[ref] = len(gathers[rank])
                     gathers[rank].append(ref)

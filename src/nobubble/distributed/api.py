@@ -9,23 +9,32 @@ emulator does), so a ``step`` call returns without waiting on batches not fed ye
 Boundary shapes are agreed once, at the first batch: rank 0 runs its stage on micro-batch 0 and
 sends the structure, shapes and dtypes of its output to rank 1, which runs its stage on zeros of
 that shape, and so on down the pipeline (one forward per stage, no gradient).
+
+With ``data_parallel=D`` the world is D replicas of the pipeline on a ``(dp, pp)`` DeviceMesh:
+"rank" above means the pipeline rank (the stage, the pp coordinate), point-to-point goes to the
+global ranks of this replica's stages, and before each STEP the stage's gradients are averaged
+over its dp group (``data_parallel.GradReducer``, placed by ``comm.with_allreduce``). Each
+replica feeds its own batch (``Pipeline.shard`` cuts it from a global one).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils import _pytree as pytree
 
 from nobubble.core.comm import GATHER, RECV, SEND, Batch, check_communication
 from nobubble.core.ir import STEP, Action, F, Schedule
 from nobubble.core.placement import Placement, one_per_rank
+from nobubble.distributed.data_parallel import GradReducer
 from nobubble.distributed.transport import (
     EVAL_TAG_BASE,
     DistTransport,
@@ -41,11 +50,36 @@ Spec = tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]  # treespec, leaf s
 MAX_LEAVES = 1024  # evaluation tags: one per boundary leaf of a micro-batch
 
 
-def join(num_stages: int, stages: Sequence[nn.Module], placement: Placement | None = None) -> int:
-    """Join (or start, from torchrun's environment) the process group; this process's rank,
-    which runs the stages ``placement`` gives it (default: stage r). The world must hold one
-    process per rank."""
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place on the (dp, pp) device mesh: it is pipeline rank ``pp_rank`` of
+    replica ``dp_rank``; ``pp_ranks[r]`` is the global rank of pipeline rank r of its replica."""
+
+    pp_rank: int
+    dp_rank: int
+    pp_ranks: list[int]
+    pp_group: Any
+    dp_group: Any
+    device_mesh: Any
+
+
+def join(
+    num_stages: int,
+    stages: Sequence[nn.Module],
+    placement: Placement | None = None,
+    data_parallel: int = 1,
+) -> Mesh:
+    """Join (or start, from torchrun's environment) the process group and lay the world out
+    as a ``(data_parallel, ranks)`` DeviceMesh with dims ("dp", "pp"); pipeline rank r runs the
+    stages ``placement`` gives it (default: stage r). The world must hold one process per
+    pipeline rank and replica."""
     where = placement or one_per_rank(num_stages)
+    ranks = where.num_ranks
+    world_needed = ranks * data_parallel
+    per = "one stage" if ranks == num_stages else f"{num_stages // ranks} stages"
+    how = f"{num_stages} stages, {per} per process" + (
+        "" if data_parallel == 1 else f", × data_parallel={data_parallel}"
+    )
     if not dist.is_initialized():
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
@@ -53,19 +87,31 @@ def join(num_stages: int, stages: Sequence[nn.Module], placement: Placement | No
         if missing:
             raise ValueError(
                 f"runtime='dist' needs a process group: start the script with torchrun "
-                f"(--nproc-per-node {num_stages}) or set {', '.join(missing)}"
+                f"(--nproc-per-node {world_needed}) or set {', '.join(missing)}"
             )
-        device = next(stages[where.stages_of(int(os.environ["RANK"]))[0]].parameters()).device
+        world_env = int(os.environ["WORLD_SIZE"])
+        if world_env != world_needed:  # before the rendezvous, which would wait for no one
+            raise ValueError(_world_error(world_env, world_needed, how))
+        first = where.stages_of(int(os.environ["RANK"]) % ranks)[0]
+        device = next(stages[first].parameters()).device
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=600))
-    world, ranks = dist.get_world_size(), where.num_ranks
-    if world != ranks:
-        per = "one stage" if ranks == num_stages else f"{num_stages // ranks} stages"
-        raise ValueError(
-            f"runtime='dist' runs {per} per process: the world holds {world} processes for "
-            f"{num_stages} stages; start {ranks} processes"
-        )
-    return dist.get_rank()
+    world = dist.get_world_size()
+    if world != world_needed:
+        raise ValueError(_world_error(world, world_needed, how))
+    device = next(stages[where.stages_of(dist.get_rank() % ranks)[0]].parameters()).device
+    mesh = init_device_mesh(device.type, (data_parallel, ranks), mesh_dim_names=("dp", "pp"))
+    dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    pp_ranks = [int(r) for r in mesh.mesh[dp_rank].tolist()]
+    return Mesh(pp_rank, dp_rank, pp_ranks, mesh.get_group("pp"), mesh.get_group("dp"), mesh)
+
+
+def _world_error(world: int, needed: int, how: str) -> str:
+    return (
+        f"runtime='dist' runs one process per pipeline rank and replica: the world holds "
+        f"{world} processes for {how}; start {needed} processes (torchrun --nproc-per-node "
+        f"{needed})"
+    )
 
 
 def release_others(stages: list[torch.nn.Module], keep: int | Collection[int]) -> None:
@@ -93,9 +139,10 @@ def _objects_group(device: torch.device) -> Any:
     return dist.new_group(backend="gloo") if device.type == "cuda" else None
 
 
-def gather_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()})
+def gather_state(state: dict[str, torch.Tensor], group: Any = None) -> dict[str, torch.Tensor]:
+    """Every stage's ``state`` merged, gathered over the replica's ``group``."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=group)
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         merged.update(part)
@@ -171,6 +218,8 @@ class TreeTransport(DistTransport):
         from nobubble.core.comm import COLLECTIVES
 
         while (batch := self._next_batch(position)) is not None:
+            if self._post_allreduce(batch):
+                continue
             if batch.ops[0].kind in COLLECTIVES:
                 return
             self.cursor += 1
@@ -181,11 +230,13 @@ class TreeTransport(DistTransport):
                     handed = self.leaves_out.pop(op.message, None)
                     assert handed is not None, f"plan sends {op.message}; nothing handed over"
                     tensors = handed
-                    ops += [dist.P2POp(dist.isend, t, op.peer, tag=0) for t in tensors]
+                    peer = self.ranks[op.peer]
+                    ops += [dist.P2POp(dist.isend, t, peer, tag=0) for t in tensors]
                 else:
                     assert op.kind == RECV
                     tensors = self._buffers(op.message)
-                    ops += [dist.P2POp(dist.irecv, t, op.peer, tag=0) for t in tensors]
+                    peer = self.ranks[op.peer]
+                    ops += [dist.P2POp(dist.irecv, t, peer, tag=0) for t in tensors]
                 per_op.append(tensors)
             handle = self._launch(ops)
             for op, tensors in zip(batch.ops, per_op, strict=True):
@@ -225,6 +276,8 @@ class TreeTransport(DistTransport):
         assert batch.ops[0].message.number == step, f"plan gathers {batch.ops[0]}, not step {step}"
         self.cursor += 1
         square, mine = self.tied_shares.pop(step)
+        if self.reducer is not None:  # the averaged gradients' share (DistTransport._share)
+            square, mine = self.reducer.share()
         grads = {(stage, name): g for name, g in mine.items()}
         ops = []
         for a, name_a, b, name_b in self.ties:
@@ -233,8 +286,9 @@ class TreeTransport(DistTransport):
                 if stage == b:
                     own, peer, other = name_b, a, (a, name_a)
                 grads[other] = torch.empty_like(mine[own])
-                ops.append(dist.P2POp(dist.isend, mine[own].contiguous(), peer, tag=0))
-                ops.append(dist.P2POp(dist.irecv, grads[other], peer, tag=0))
+                to = self.ranks[peer]
+                ops.append(dist.P2POp(dist.isend, mine[own].contiguous(), to, tag=0))
+                ops.append(dist.P2POp(dist.irecv, grads[other], to, tag=0))
         if ops:
             self._launch(ops).wait(self.timeout_s, f"the tied gradients of step {step}")
         mine_squares = [square.detach().to(self.device, torch.float64).reshape(1)]
@@ -268,6 +322,8 @@ class RankRunner:
         self.pointer = [0] * self.placement.num_ranks
         if start_step:
             self.pointer[self.rank] = self._after_step(start_step)
+        # the global rank of each pipeline rank of this replica
+        self.ranks: list[int] = pipe.mesh.pp_ranks
         self.transport: TreeTransport | None = None
         self.interpreter: Interpreter | None = None
         self.current: Action | None = None  # the action being run (failure messages name it)
@@ -279,7 +335,12 @@ class RankRunner:
         return 1 + max(i for i, a in enumerate(order) if a.kind == STEP and a.number == step)
 
     def _plan(self) -> list[Batch]:
-        plans = check_communication(self.schedule, self.pipe.meets, self.pipe.drains)
+        plans = check_communication(
+            self.schedule,
+            self.pipe.meets,
+            self.pipe.drains,
+            data_parallel=self.pipe.data_parallel > 1,
+        )
         return plans[self.rank]
 
     def set_schedule(self, schedule: Schedule) -> None:
@@ -305,9 +366,8 @@ class RankRunner:
                 inputs = handed
             else:
                 box: list[Any] = [None]
-                dist.recv_object_list(
-                    box, src=self.placement.rank_of(stage - 1), group=self.objects
-                )
+                src = self.ranks[self.placement.rank_of(stage - 1)]
+                dist.recv_object_list(box, src=src, group=self.objects)
                 in_specs[stage] = spec = box[0]
                 flat = [
                     torch.zeros(shape, dtype=dtype, device=worker.device)
@@ -323,7 +383,7 @@ class RankRunner:
                 raise TypeError(f"stage {stage} output holds no floating tensor to train through")
             if self._remote(stage + 1):
                 out_specs[stage] = _spec(handed)
-                dst = self.placement.rank_of(stage + 1)
+                dst = self.ranks[self.placement.rank_of(stage + 1)]
                 dist.send_object_list([out_specs[stage]], dst=dst, group=self.objects)
         # nobubble train's runtime sets these before the first step: spans recorded on its
         # clock, and NCCL's completion rules on any backend (--strict-p2p)
@@ -340,6 +400,10 @@ class RankRunner:
             self.pipe.ties,
             self.placement,
         )
+        mesh, dp = self.pipe.mesh, self.pipe.data_parallel
+        # data parallelism runs one stage per rank (Pipeline refuses more)
+        reducer = GradReducer(self.worker, dp, self.pipe.bucket_mb) if dp > 1 else None
+        self.transport.use_mesh(self.ranks, mesh.pp_group, reducer, mesh.dp_group)
         clock = {"clock": options["clock"]} if "clock" in options else {}
         self.interpreter = Interpreter(
             self.workers,
@@ -367,7 +431,7 @@ class RankRunner:
                 elif not self._remote(stage - 1):
                     inputs = handed
                 else:
-                    src = self.placement.rank_of(stage - 1)
+                    src = self.ranks[self.placement.rank_of(stage - 1)]
                     box: list[Any] = [None]
                     dist.recv_object_list(box, src=src, group=self.objects)
                     treespec, leaves = box[0]
@@ -383,7 +447,7 @@ class RankRunner:
         return losses if last in self.by_stage else None
 
     def _send_evaluation(self, out: Any, i: int, stage: int) -> None:
-        dst = self.placement.rank_of(stage)
+        dst = self.ranks[self.placement.rank_of(stage)]
         spec = _spec(out)
         if len(spec[1]) > MAX_LEAVES:
             raise ValueError(f"stage {stage - 1} output has more than {MAX_LEAVES} tensors")

@@ -1,7 +1,9 @@
-"""``nobubble train --runtime dist --stages P`` on one machine: start P processes, watch them.
+"""``nobubble train --runtime dist --stages P [--data-parallel D]`` on one machine: start P·D
+processes, watch them.
 
 The launcher fills the data cache once, picks (or checks) the rendezvous port, starts one
-``python -m nobubble train`` process per stage with torchrun's environment variables, and
+``python -m nobubble train`` process per stage and replica with torchrun's environment
+variables (global rank dp·P + pp), and
 watches them: when one exits with an error, the others get a few seconds to notice and are then
 stopped (terminate, then kill), and the exit status is non-zero. A rank that hangs instead of
 dying is caught by its peers after ``--dist-timeout`` seconds (the process group's timeout), so
@@ -21,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from nobubble.checkpoint import check_work_left, read_manifest
+from nobubble.checkpoint import check_resumable, check_work_left, read_manifest
 from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
 from nobubble.train import RunResult, resolve_run_dir
@@ -76,15 +78,17 @@ def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, s
 
 
 def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
-    """Run ``cfg`` on ``cfg.stages`` local processes; ``argv`` are the user's train flags."""
+    """Run ``cfg`` on ``cfg.stages`` × ``cfg.data_parallel`` local processes; ``argv`` are the
+    user's train flags."""
     from nobubble.assemble import load_data
     from nobubble.distributed.runtime import resolve_device
 
-    resolve_device(cfg, 0, cfg.stages)  # a missing GPU is refused here, before any process starts
-    if cfg.resume:  # so is a finished run
-        check_work_left(
-            read_manifest(Path(cfg.resume))["step"], cfg.stop_at or cfg.steps, Path(cfg.resume)
-        )
+    world = cfg.stages * cfg.data_parallel
+    resolve_device(cfg, 0, world)  # a missing GPU is refused here, before any process starts
+    if cfg.resume:  # so are a finished run and a checkpoint of another run (or global batch)
+        manifest = read_manifest(Path(cfg.resume))
+        check_resumable(manifest, cfg, Path(cfg.resume))
+        check_work_left(manifest["step"], cfg.stop_at or cfg.steps, Path(cfg.resume))
     port = cfg.master_port or free_port()
     if cfg.master_port:
         check_port(port)
@@ -92,10 +96,10 @@ def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
     load_data(cfg)  # fill the cache once, before the ranks race for it
     args = [*argv, "--out", str(run_dir)] if not cfg.resume else list(argv)
     procs = []
-    for rank in range(cfg.stages):
-        env = rank_env(rank, cfg.stages, port, NOBUBBLE_LAUNCHED="1")
+    for rank in range(world):
+        env = rank_env(rank, world, port, NOBUBBLE_LAUNCHED="1")
         command = [sys.executable, "-m", "nobubble", "train", *args, "--runtime", "dist"]
-        if rank != cfg.stages - 1:
+        if rank != cfg.stages - 1:  # the writer (the last stage of replica 0) shows progress
             command.append("--no-progress")
         procs.append(subprocess.Popen(command, env=env))
     failed = _watch(procs)

@@ -7,6 +7,12 @@ points are where ranks meet: validation through the pipeline (``Pipeline.evaluat
 gathering of per-step figures and spans for the run directory (written by the last rank, which
 holds the loss), and checkpoints (each rank writes its part; the manifest is written once all
 exist).
+
+With ``--data-parallel D`` the world is D replicas of the pipeline (global rank = dp·P + pp, the
+layout of ``init_device_mesh((D, P), ("dp", "pp"))``): replica r reads the r-th slice of every
+global micro-batch, the ranks of dp 0 write the checkpoint (one part per stage: the replicas
+hold the same weights), and the writer, the last stage of replica 0, averages the replicas'
+losses into the metrics.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch.distributed as dist
 
 from nobubble.assemble import load_data, make_model, make_pipeline, make_plan
 from nobubble.checkpoint import (
-    check_fingerprint,
+    check_resumable,
     check_work_left,
     finalize,
     load_part,
@@ -42,6 +48,7 @@ from nobubble.core.sim.metrics import measured_utilization
 from nobubble.core.viz import save_gantt, save_trace, trace_events
 from nobubble.distributed.api import release_others
 from nobubble.distributed.clock import CudaClock, HostClock
+from nobubble.distributed.data_parallel import overlap
 from nobubble.distributed.transport import StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
 from nobubble.metrics import MetricsWriter, truncate_metrics
@@ -107,7 +114,9 @@ def _check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGro
 class RankRun:
     def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
-        self.rank = env.rank
+        P = self.num_ranks = cfg.stages  # pipeline ranks per replica
+        # rank: the global rank; pp and dp: its coordinates on the (dp, pp) mesh
+        self.rank, self.pp, self.dp = env.rank, env.rank % P, env.rank // P
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
         self.objects = dist.new_group(backend="gloo") if device.type == "cuda" else None
         _check_same_config(cfg, env.world_size, self.objects)
@@ -117,7 +126,7 @@ class RankRun:
         self.start_step, manifest = 0, None
         if cfg.resume:
             manifest = read_manifest(self.run_dir)
-            check_fingerprint(manifest, cfg.fingerprint(), self.run_dir)
+            check_resumable(manifest, cfg, self.run_dir)
             self.start_step = manifest["step"]
             check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
         if self.rank != 0:
@@ -127,15 +136,22 @@ class RankRun:
             self._barrier()
         self.plan = make_plan(cfg, self.data.vocab_size)
         placement = self.plan.schedule.placement
-        self.local = placement.stages_of(self.rank)  # one stage, or v (interleaved, V)
-        # the rank of the last stage holds the loss: it writes the metrics (rank 0 in a V)
+        self.local = placement.stages_of(self.pp)  # one stage, or v (interleaved, V)
+        # the rank of the last stage holds the loss; replica 0's writes the metrics (pipeline
+        # rank 0 in a V); replica 0's global ranks are its pipeline ranks
         self.last = placement.rank_of(cfg.model_stages - 1)
         stages = make_model(self.plan).stages
         for s in self.local:
             stages[s] = stages[s].to(self.device)
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
+        assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
         # What every rank will post is checked to complete under NCCL's rules before any step.
-        check_communication(self.plan.schedule, self.pipe.meets, self.plan.drain_points)
+        check_communication(
+            self.plan.schedule,
+            self.pipe.meets,
+            self.plan.drain_points,
+            data_parallel=cfg.data_parallel > 1,
+        )
         release_others(stages, self.local)
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s, self.device) for s in self.local]
@@ -179,7 +195,7 @@ class RankRun:
 
     @property
     def position(self) -> int:
-        return int(self.runner.pointer[self.rank])
+        return int(self.runner.pointer[self.pp])
 
     # ----- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult | None:
@@ -214,9 +230,13 @@ class RankRun:
     def _run_until(self, done: int, step: int) -> None:
         """Feed batches ``done`` .. ``step - 1`` and drain after step ``step``."""
         m = self.plan.schedule.num_microbatches
+        b, d = self.cfg.micro_batch_size, self.cfg.data_parallel
         for j in range(done, step):
+            # replica r's micro-batch i: the r-th slice of global micro-batch i (D·b sequences)
             pieces = [
-                self.data.train_microbatch(i, self.cfg.micro_batch_size)
+                tuple(
+                    t[self.dp * b : (self.dp + 1) * b] for t in self.data.train_microbatch(i, b * d)
+                )
                 for i in range(j * m, (j + 1) * m)
             ]
             x, y = torch.cat([a for a, _ in pieces]), torch.cat([b for _, b in pieces])
@@ -238,8 +258,9 @@ class RankRun:
 
     # ----- drain points --------------------------------------------------------------------------
     def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
-        P = self.env.world_size
-        neighbours = [r for r in (self.rank - 1, self.rank + 1) if 0 <= r < P]
+        P = self.num_ranks
+        base = self.dp * P  # this replica's first global rank
+        neighbours = [base + r for r in (self.pp - 1, self.pp + 1) if 0 <= r < P]
         self.meeting = f"pipelined validation after step {step}", neighbours
         val_loss = validation_loss(self.pipe, self.cfg, self.data)
         segment = self.interpreter.spans[self.segment_start :]
@@ -249,9 +270,11 @@ class RankRun:
             "grad_norms": self.grad_norms,
             "times": self.step_times,
             "spans": [(str(a), s, e) for a, s, e in segment],
+            "losses": self.losses,  # the last stage's, of this replica's micro-batches
         }
+        self.losses = {}
         gathered: list[Any] = [None] * self.env.world_size
-        others = [r for r in range(P) if r != self.rank]
+        others = [r for r in range(self.env.world_size) if r != self.rank]
         self.meeting = f"gathering the metrics of step {step}", others
         dist.all_gather_object(gathered, mine, group=self.objects)
         if self.rank == self.last:
@@ -260,8 +283,9 @@ class RankRun:
         every = self.cfg.checkpoint_every
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
-            for worker in self.workers:
-                save_part(staging_dir(self.run_dir, step), worker.stage, worker.state_dict())
+            if self.dp == 0:  # one part per stage: the replicas hold the same state
+                for worker in self.workers:
+                    save_part(staging_dir(self.run_dir, step), worker.stage, worker.state_dict())
             self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
                 finalize(
@@ -282,17 +306,21 @@ class RankRun:
         val_loss: float | None,
         writer: MetricsWriter | None,
     ) -> None:
-        m = self.plan.schedule.num_microbatches
+        m, P, D = self.plan.schedule.num_microbatches, self.num_ranks, self.cfg.data_parallel
         done = sorted(gathered[self.last]["times"])
         for j in done:
-            losses = [self.losses.pop(i) for i in range((j - 1) * m, j * m)]
+            # a micro-batch's loss: the mean of its D slices' (equal-size means), replica order
+            losses = [
+                sum(g["losses"].pop(i) for g in gathered[self.last :: P]) / D
+                for i in range((j - 1) * m, j * m)
+            ]
             record = {
                 "step": j,
                 "loss": sum(losses) / len(losses),
                 "lr": self.worker.lr_of(j),
                 "tokens": j * self.cfg.tokens_per_step,
                 "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
-                "grad_norm": _by_stage(gathered, [g["grad_norms"][j] for g in gathered]),
+                "grad_norm": _by_stage(gathered[:P], [g["grad_norms"][j] for g in gathered[:P]]),
             }
             if j == step:  # the drain point: validation and the segment's measured timeline
                 record["val_loss"] = val_loss
@@ -342,9 +370,10 @@ class RankRun:
             ],
             "state": (
                 {k: v.cpu() for w in self.workers for k, v in w.module.state_dict().items()}
-                if self.cfg.sample_tokens
+                if self.cfg.sample_tokens and self.dp == 0
                 else {}
             ),
+            "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)
@@ -407,9 +436,17 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
         text = sample_from_state(run.plan, state, run.data)
         if text is not None:
             (run.run_dir / "sample.txt").write_text(text + "\n")
-    peaks = _by_stage(gathered, [g["peaks"] for g in gathered])
+    replica0 = gathered[: run.num_ranks]  # replica 0's ranks hold every stage once
+    peaks = _by_stage(replica0, [g["peaks"] for g in replica0])
     summary = run_summary(run.cfg, run.records, peaks, text)
     summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
+    if run.cfg.data_parallel > 1:  # seconds per all-reduce, and the share hidden behind work
+        figures = [g["allreduce"] for g in gathered]
+        summary.update(
+            data_parallel=run.cfg.data_parallel,
+            allreduce_s=sum(f["allreduce_s"] for f in figures) / len(figures),
+            allreduce_overlap=sum(f["allreduce_overlap"] for f in figures) / len(figures),
+        )
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return RunResult(run.run_dir, run.records, summary)
 
@@ -450,11 +487,15 @@ def resolve_device(
 def run_rank(cfg: TrainConfig) -> RunResult | None:
     """Entry point of one process (torchrun or ``nobubble train --runtime dist``)."""
     env = RankEnv.from_environ()
-    if env.world_size != cfg.stages:
+    world = cfg.stages * cfg.data_parallel
+    if env.world_size != world:
+        layout = f"--stages {cfg.stages}"
+        if cfg.data_parallel > 1:
+            layout += f" × --data-parallel {cfg.data_parallel} = {world}"
         raise ValueError(
-            f"world size {env.world_size} does not match --stages {cfg.stages}: "
-            f"launch {cfg.stages} processes (torchrun --nproc-per-node "
-            f"{cfg.stages}) or set --stages {env.world_size}"
+            f"world size {env.world_size} does not match {layout}: launch {world} processes "
+            f"(torchrun --nproc-per-node {world}, or --nnodes N with {world} in all) or set "
+            f"--stages and --data-parallel so that their product is {env.world_size}"
         )
     device, backend = resolve_device(cfg, env.local_rank, env.local_world_size)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
@@ -485,9 +526,14 @@ def _close(run: RankRun | None) -> None:
         run.transport.close()  # its stream thread ends here, not at interpreter exit
 
 
-def _stages_text(run: RankRun | None, rank: int) -> str:
-    local = getattr(run, "local", (rank,))
-    return f"stage {local[0]}" if len(local) == 1 else "stages " + ", ".join(map(str, local))
+def _coordinates(cfg: TrainConfig, rank: int, run: RankRun | None = None) -> str:
+    """``3 (dp 1, pp 1: stage 1)``: a global rank, its place on the (dp, pp) mesh and the
+    stages it runs (several in interleaved and V placements, once the plan is known)."""
+    dp, pp = divmod(rank, cfg.stages)
+    plan = getattr(run, "plan", None)
+    local = plan.schedule.placement.stages_of(pp) if plan is not None else (pp,)
+    stages = f"stage {local[0]}" if len(local) == 1 else "stages " + ", ".join(map(str, local))
+    return f"{rank} (dp {dp}, pp {pp}: {stages})"
 
 
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:
@@ -498,8 +544,14 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         names = ", ".join(str(r) for r in ranks)
         where = f"in the {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
     elif run is not None and getattr(run, "pipe", None) is not None and run.current is not None:
-        peer = run.transport.peer_of_last_wait
-        waiting = f", waiting for rank {peer}" if peer is not None else ""
+        peer = run.transport.peer_of_last_wait  # a stage of this replica
+        waiting = ""
+        if peer is not None:
+            waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.stages + peer, run)}"
+        elif run.current.kind == STEP and cfg.data_parallel > 1:
+            peers = [d * cfg.stages + run.pp for d in range(cfg.data_parallel) if d != run.dp]
+            names = ", ".join(_coordinates(cfg, r, run) for r in peers)
+            waiting = f", in the dp all-reduce with rank{'s' if len(peers) > 1 else ''} {names}"
         where = f"at position {run.position} ({run.current}){waiting}"
     run_dir = run.run_dir if run is not None else (cfg.resume or cfg.out)
     try:
@@ -513,7 +565,7 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
     )
     log.debug("rank %d failed", env.rank, exc_info=err)  # the traceback, with -v
     print(
-        f"nobubble: rank {env.rank} ({_stages_text(run, env.rank)}) failed {where}: "
+        f"nobubble: rank {_coordinates(cfg, env.rank, run)} failed {where}: "
         f"{type(err).__name__}: {err}; {resume}",
         file=sys.stderr,
         flush=True,

@@ -5,6 +5,12 @@ stage) with a stand-in worker, so the measured makespan isolates the runtime's o
 can be checked against the simulator's prediction for the same schedule and durations. Waits do
 not use the CPU, so P = 8 processes run fine on 2 cores.
 
+With ``--data-parallel D`` the world is D replicas (a (dp, pp) DeviceMesh, as in
+``Pipeline(data_parallel=D)``): each stage holds a stand-in gradient of ``--grad-mb`` MB that
+the real ``GradReducer`` all-reduces over its dp group before every step, where the
+communication plan puts it. The prediction's all-reduce cost is measured the same way as the
+hop latency: a calibration before the run (``_allreduce_time``), a property of the machine.
+
 Entry of one rank:
 ``python -m nobubble.distributed.synthetic --schedule S --stages P ... --result F``
 with torchrun's environment variables; ``run_synthetic`` launches all ranks and collects.
@@ -39,11 +45,16 @@ TOKEN = (1,)  # the payload each transfer carries: one float
 class WaitWorker:
     """Stands in for StageWorker: sleeps instead of computing, keeps the same bookkeeping."""
 
-    def __init__(self, schedule: Schedule, stage: int, fwd_s: float, bwd_s: float) -> None:
+    def __init__(
+        self, schedule: Schedule, stage: int, fwd_s: float, bwd_s: float, grad_numel: int = 1
+    ) -> None:
         self.schedule, self.stage = schedule, stage
         self.fwd_s, self.bwd_s = fwd_s, bwd_s
         self.first, self.last = stage == 0, stage == schedule.num_stages - 1
         self.backwards_in_batch = 0
+        weight = torch.nn.Parameter(torch.zeros(grad_numel))
+        weight.grad = torch.ones(grad_numel)  # what the dp all-reduce averages
+        self.named = [("weight", weight)]
 
     def forward(self, m: int, received: torch.Tensor | None) -> torch.Tensor | None:
         time.sleep(self.fwd_s)
@@ -60,6 +71,9 @@ class WaitWorker:
 
     def grad_sq_norm(self) -> torch.Tensor:
         return torch.zeros(())
+
+    def share(self) -> torch.Tensor:
+        return self.grad_sq_norm()
 
     def step(self, step: int, total_sq_norm: torch.Tensor | None = None) -> None:
         self.backwards_in_batch = 0
@@ -87,19 +101,43 @@ def _hop_latency(rank: int, rounds: int = 20, idle_s: float = 0.02) -> float:
     return float(out[0])
 
 
+def _allreduce_time(tensor: torch.Tensor, group: Any, rounds: int = 10) -> float:
+    """Median seconds of one all-reduce of ``tensor`` over ``group``, its ranks aligned."""
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def rank_main(args: argparse.Namespace) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nobubble.distributed.data_parallel import GradReducer
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    D = args.data_parallel
+    P = world // D
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    schedule = build_schedule(args.schedule, world, args.microbatches, args.steps, args.accum)
+    mesh = init_device_mesh("cpu", (D, P), mesh_dim_names=("dp", "pp"))
+    stage, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    schedule = build_schedule(args.schedule, P, args.microbatches, args.steps, args.accum)
     validate(schedule)
     latency = _hop_latency(rank) if world > 1 else 0.0
-    worker = WaitWorker(schedule, rank, args.fwd, args.bwd)
-    batches = check_communication(schedule)[rank]
-    transport = DistTransport(batches, TOKEN, torch.float32, torch.device("cpu"), world)
-    interp = Interpreter([worker], transport, world, clock=time.time)  # type: ignore[list-item]
+    numel = max(1, int(args.grad_mb * 2**20) // 4)  # float32 elements
+    worker = WaitWorker(schedule, stage, args.fwd, args.bwd, numel)
+    allreduce = _allreduce_time(torch.ones(numel), mesh.get_group("dp")) if D > 1 else 0.0
+    batches = check_communication(schedule, data_parallel=D > 1)[stage]
+    transport = DistTransport(batches, TOKEN, torch.float32, torch.device("cpu"), P)
+    reducer = GradReducer(worker, D, args.grad_mb + 1) if D > 1 else None  # one bucket
+    pp_ranks = [int(r) for r in mesh.mesh[dp].tolist()]
+    transport.use_mesh(pp_ranks, mesh.get_group("pp"), reducer, mesh.get_group("dp"))
+    interp = Interpreter([worker], transport, P, clock=time.time)  # type: ignore[list-item]
     dist.barrier()
-    for action in schedule.ranks[rank]:
+    for action in schedule.ranks[stage]:
         interp.execute(action)
     transport.flush()
     spans = [(str(a), s, e) for a, s, e in interp.spans]
@@ -109,7 +147,14 @@ def rank_main(args: argparse.Namespace) -> None:
         t0 = min(s for lane in gathered for _, s, _ in lane)
         t1 = max(e for lane in gathered for _, _, e in lane)
         Path(args.result).write_text(
-            json.dumps({"makespan_s": t1 - t0, "latency_s": latency, "spans": gathered})
+            json.dumps(
+                {
+                    "makespan_s": t1 - t0,
+                    "latency_s": latency,
+                    "allreduce_s": allreduce,
+                    "spans": gathered,
+                }
+            )
         )
     del interp, transport, worker
     shutdown()
@@ -123,8 +168,11 @@ def run_synthetic(
     fwd_s: float,
     bwd_s: float,
     accum: int | None = None,
+    data_parallel: int = 1,
+    grad_mb: float = 0.0,
 ) -> dict[str, Any]:
-    """Launch one synthetic run on ``stages`` local processes and return rank 0's result."""
+    """Launch one synthetic run on ``stages`` × ``data_parallel`` local processes and return
+    rank 0's result."""
     import tempfile
 
     port = free_port()
@@ -146,12 +194,17 @@ def run_synthetic(
             str(bwd_s),
             "--result",
             str(result),
+            "--data-parallel",
+            str(data_parallel),
+            "--grad-mb",
+            str(grad_mb),
         ]
         if accum is not None:
             command += ["--accum", str(accum)]
         procs = []
-        for rank in range(stages):
-            procs.append(subprocess.Popen(command, env=rank_env(rank, stages, port)))
+        world = stages * data_parallel
+        for rank in range(world):
+            procs.append(subprocess.Popen(command, env=rank_env(rank, world, port)))
         failed = _watch(procs)
         if failed:
             raise RuntimeError(
@@ -171,11 +224,14 @@ def compare_with_simulator(
     bwd_s: float,
     accum: int | None = None,
     rounds: int = 3,
+    data_parallel: int = 1,
+    grad_mb: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Measured makespan (median of ``rounds``, alternating schedules) vs the simulator's.
 
     The prediction uses the same durations and, as a second figure, the measured one-way
-    latency of a hop into a waiting stage (``_hop_latency``).
+    latency of a hop into a waiting stage (``_hop_latency``); with ``data_parallel`` > 1 both
+    include the dp all-reduce of ``grad_mb`` MB per step and stage (``_allreduce_time``).
     """
     from statistics import median
 
@@ -193,6 +249,8 @@ def compare_with_simulator(
                     fwd_s,
                     bwd_s,
                     accum if name in ("pipedream", "paci") else None,
+                    data_parallel,
+                    grad_mb,
                 )
             )
     rows = []
@@ -202,14 +260,22 @@ def compare_with_simulator(
         )
         measured = median(r["makespan_s"] for r in results)
         latency = median(r["latency_s"] for r in results)
-        predicted = simulate(schedule, CostModel(fwd=fwd_s, bwd=bwd_s)).metrics.makespan
-        with_latency = simulate(schedule, CostModel(fwd=fwd_s, bwd=bwd_s, latency=latency))
+        reduce_s = median(r["allreduce_s"] for r in results)
+        cost = CostModel(fwd=fwd_s, bwd=bwd_s, allreduce=reduce_s)
+        predicted = simulate(schedule, cost).metrics.makespan
+        with_latency = simulate(
+            schedule, CostModel(fwd=fwd_s, bwd=bwd_s, latency=latency, allreduce=reduce_s)
+        )
         rows.append(
             {
                 "schedule": name,
                 "stages": stages,
                 "microbatches": schedule.num_microbatches,
                 "steps": steps,
+                "data_parallel": data_parallel,
+                "allreduce_ms": reduce_s * 1e3,
+                "step_measured_s": measured / steps,
+                "step_predicted_s": with_latency.metrics.makespan / steps,
                 "measured_s": measured,
                 "predicted_s": predicted,
                 "predicted_with_latency_s": with_latency.metrics.makespan,
@@ -230,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fwd", type=float, required=True)
     p.add_argument("--bwd", type=float, required=True)
     p.add_argument("--result", required=True)
+    p.add_argument("--data-parallel", type=int, default=1)
+    p.add_argument("--grad-mb", type=float, default=0.0)
     rank_main(p.parse_args(argv))
 
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.core.comm import COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch
-from nobubble.core.ir import Action
+from nobubble.core.comm import ALLREDUCE, COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch
+from nobubble.core.ir import STEP, Action
 from nobubble.core.placement import Placement, one_per_rank, rank_of
 from nobubble.optim import sum_over_stages
 
@@ -104,6 +104,18 @@ class DistTransport:
         self.shares: dict[int, dict[int, torch.Tensor]] = {}  # step -> local stage -> share
         self.reduced: dict[int, tuple[torch.Tensor, int]] = {}  # step -> (sum, reads left)
         self.peer_of_last_wait: int | None = None
+        # one pipeline replica among several (data parallel): its ranks by stage, its group for
+        # the norm gather, and the dp all-reduce of this rank's gradients (use_mesh)
+        self.ranks: list[int] = list(range(self.num_ranks))
+        self.group: Any = None
+        self.reducer: Any = None
+        self.dp_group: Any = None
+
+    def use_mesh(self, ranks: Sequence[int], group: Any, reducer: Any, dp_group: Any) -> None:
+        """Run as one replica: ``ranks[r]`` is the global rank of pipeline rank r, ``group`` the
+        replica's process group, ``reducer`` the ``GradReducer`` over ``dp_group`` (or None)."""
+        self.ranks, self.group = list(ranks), group
+        self.reducer, self.dp_group = reducer, dp_group
 
     # ----- the plan -------------------------------------------------------------------------
     def _next_batch(self, position: int) -> Batch | None:
@@ -114,6 +126,8 @@ class DistTransport:
     def _post_point_to_point(self, position: int) -> None:
         """Post every point-to-point batch planned before ``position``; stop at a collective."""
         while (batch := self._next_batch(position)) is not None:
+            if self._post_allreduce(batch):
+                continue
             if batch.ops[0].kind in COLLECTIVES:
                 return
             self.cursor += 1
@@ -122,12 +136,12 @@ class DistTransport:
                 if op.kind == SEND:
                     tensor = self.outgoing.pop(op.message, None)
                     assert tensor is not None, f"plan sends {op.message}; nothing was handed over"
-                    ops.append(dist.P2POp(dist.isend, tensor, op.peer, tag=0))
+                    ops.append(dist.P2POp(dist.isend, tensor, self.ranks[op.peer], tag=0))
                     buffers.append(tensor)
                 else:
                     assert op.kind == RECV
                     buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, op.peer, tag=0))
+                    ops.append(dist.P2POp(dist.irecv, buffer, self.ranks[op.peer], tag=0))
                     buffers.append(buffer)
             handle = self._launch(ops)
             for op, buffer in zip(batch.ops, buffers, strict=True):
@@ -136,6 +150,32 @@ class DistTransport:
                 else:
                     self.posted[op.message] = (handle, buffer)
             self._reap()
+
+    def _post_allreduce(self, batch: Batch) -> bool:
+        """Launch the dp all-reduce the plan puts here (its stream position: after the
+        exchange before it, before anything after it); False if ``batch`` is another kind."""
+        if batch.ops[0].kind != ALLREDUCE:
+            return False
+        self.cursor += 1
+        step = batch.ops[0].message.number
+        assert self.reducer is not None, f"plan all-reduces for step {step}; no dp group"
+        flats = self.reducer.flat()
+        self.reducer.launched(step, self._allreduce(flats), flats)
+        return True
+
+    def _allreduce(self, flats: list[torch.Tensor]) -> Handle:
+        works = [
+            dist.all_reduce(f, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
+            for f in flats
+        ]
+        return Handle(works, self.on_cuda)
+
+    def _finish_allreduce(self, action: Action) -> None:
+        """Just before a STEP: its gradients, averaged over the replicas."""
+        if action.kind == STEP and self.reducer is not None and self.reducer.has(action.number):
+            self.reducer.finish(
+                action.number, self.timeout_s, f"the dp all-reduce of step {action.number}"
+            )
 
     def _skip_drain(self) -> None:
         batch = self._next_batch(self.position)
@@ -147,7 +187,8 @@ class DistTransport:
 
     def _all_gather(self, share: torch.Tensor) -> tuple[Handle, list[torch.Tensor]]:
         parts = [torch.empty_like(share) for _ in range(self.num_ranks)]
-        return Handle([dist.all_gather(parts, share, async_op=True)], self.on_cuda), parts
+        work = dist.all_gather(parts, share, group=self.group, async_op=True)
+        return Handle([work], self.on_cuda), parts
 
     def _reap(self) -> None:
         self.sending = [s for s in self.sending if not s[0].is_completed()]
@@ -156,6 +197,7 @@ class DistTransport:
     def begin(self, action: Action) -> None:
         self._skip_drain()
         self._post_point_to_point(self.position)
+        self._finish_allreduce(action)
         self.position += 1
 
     def send(self, producer: Action, tensor: torch.Tensor, dst_stage: int) -> None:
@@ -172,6 +214,16 @@ class DistTransport:
         share = value.detach().to(self.device, torch.float64).reshape(1)
         self.shares.setdefault(step, {})[stage] = share
 
+    def _share(self, step: int) -> torch.Tensor:
+        """This rank's shares of step ``step``'s meeting, one per local stage in stage order;
+        with data parallelism (one stage per rank) taken again from the averaged gradients
+        (the one offered after the backward was this replica's)."""
+        mine = self.shares[step]
+        if self.reducer is not None:
+            assert len(mine) == 1, "data parallelism runs one stage per rank"
+            return self.reducer.share().detach().to(self.device, torch.float64).reshape(1)
+        return torch.cat([mine[s] for s in sorted(mine)])
+
     def reduce(self, step: int, stage: int) -> torch.Tensor:
         """Every stage's share, gathered and added in stage order (bitwise the emulator's).
         A rank with several stages gathers once, at its first STEP of the step (the plan's
@@ -185,8 +237,8 @@ class DistTransport:
         assert batch is not None and batch.ops[0].kind == GATHER, f"plan has no gather at {step}"
         assert batch.ops[0].message.number == step, f"plan gathers {batch.ops[0]}, not step {step}"
         self.cursor += 1
+        handle, parts = self._all_gather(self._share(step))
         mine = self.shares.pop(step)
-        handle, parts = self._all_gather(torch.cat([mine[s] for s in sorted(mine)]))
         handle.wait(self.timeout_s, f"the gradient-norm gather of step {step}")
         where = self.placement
         by_stage = [
@@ -241,8 +293,18 @@ class StrictTransport(DistTransport):
 
     def _all_gather(self, share: torch.Tensor) -> tuple[Handle, list[torch.Tensor]]:
         parts = [torch.empty_like(share) for _ in range(self.num_ranks)]
-        future = self._enqueue(lambda: [dist.all_gather(parts, share, async_op=True)])
+        group = self.group
+        future = self._enqueue(lambda: [dist.all_gather(parts, share, group=group, async_op=True)])
         return Handle([future], on_cuda=False), parts
+
+    def _allreduce(self, flats: list[torch.Tensor]) -> Handle:
+        group = self.dp_group
+        future = self._enqueue(
+            lambda: [
+                dist.all_reduce(f, op=dist.ReduceOp.SUM, group=group, async_op=True) for f in flats
+            ]
+        )
+        return Handle([future], on_cuda=False)
 
     def close(self) -> None:
         self.stream.put(None)

@@ -20,6 +20,10 @@ class CostModel:
     of ``bwd``; a split backward runs I = bwd - wgrad then W = wgrad (None: half of bwd each).
     A transfer between neighbouring stages on different ranks costs ``latency + activation_bytes
     / bandwidth`` (bandwidth in bytes per time unit; ``inf`` means free transfers).
+    ``allreduce`` is the data-parallel all-reduce of a stage's gradients, once per step and
+    stage (``ring_allreduce`` estimates it from bytes and bandwidth): the runtime launches it
+    after the stage's last backward of the batch and waits for it at the STEP, which follows
+    directly, so it adds to the STEP (nothing of the stage's own is left to hide it behind).
     """
 
     fwd: float | tuple[float, ...] = 1.0
@@ -29,6 +33,7 @@ class CostModel:
     bandwidth: float = math.inf
     activation_bytes: float = 0.0
     wgrad: float | tuple[float, ...] | None = None
+    allreduce: float = 0.0
 
     def __post_init__(self) -> None:
         for label, value in (("fwd", self.fwd), ("bwd", self.bwd), ("wgrad", self.wgrad)):
@@ -43,6 +48,7 @@ class CostModel:
             ("step", self.step),
             ("latency", self.latency),
             ("activation-bytes", self.activation_bytes),
+            ("allreduce", self.allreduce),
         ):
             if not math.isfinite(number) or number < 0:
                 raise ValueError(f"--{label} must be finite and >= 0, got {number!r}")
@@ -85,6 +91,17 @@ class CostModel:
 
     def transfer(self) -> float:
         return self.latency + self.activation_bytes / self.bandwidth
+
+
+def ring_allreduce(
+    nbytes: float, data_parallel: int, bandwidth: float, latency: float = 0.0
+) -> float:
+    """A ring all-reduce of ``nbytes`` over ``data_parallel`` ranks: 2(D-1) steps, each moving
+    1/D of the bytes (bandwidth in bytes per time unit)."""
+    if data_parallel <= 1:
+        return 0.0
+    steps = 2 * (data_parallel - 1)
+    return steps * (latency + nbytes / data_parallel / bandwidth)
 
 
 def _check_wgrad(wgrad: float, bwd: float, where: str) -> None:

@@ -51,7 +51,7 @@ def run_timeline(schedule: Schedule, cost: CostModel) -> Timeline:
     placement = schedule.placement
     total = schedule.total_microbatches
     durations = cost.durations(placement)  # kind -> per-stage durations
-    hop, step_cost = cost.transfer(), cost.step
+    hop, step_cost = cost.transfer(), cost.step + cost.allreduce  # the STEP waits for it
     # done[kind][stage][m]: end time of that action, -1.0 while it has not run.
     done = {kind: [[-1.0] * total for _ in range(num_stages)] for kind in FLOW}
     starts: tuple[list[float], ...] = tuple([] for _ in range(num_ranks))
