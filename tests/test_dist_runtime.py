@@ -385,7 +385,7 @@ def test_ranks_with_different_configs_refuse_to_train(corpus, tmp_path):
         log.seek(0)
         stderr = log.read()
         assert code == 1, stderr[-3000:]
-        assert f"rank {rank} (stage {rank}) failed during setup" in stderr
+        assert f"rank {rank} (dp 0, pp {rank}: stage {rank}) failed during setup" in stderr
         assert "ranks [1] run a different configuration than rank 0" in stderr
         assert "config hash mismatch" in stderr
     assert seconds < DIST_TIMEOUT, "the mismatch must be found at once, not by a timeout"

@@ -136,7 +136,7 @@ def test_out_dir_holding_a_run_is_not_overwritten(corpus, tmp_path):
         (["--schedule", "zbv", "--stages", "3"], "cuts the model into 6 stages (2 per rank"),
         (["--schedule", "zb-h1", "--virtual-stages", "2"], "does not apply"),
         (["--schedule", "interleaved-1f1b", "--microbatches", "5"], "equal rounds"),
-        (["--schedule", "zbv", "--runtime", "dist"], "runtime does not run"),
+        (["--schedule", "zbv", "--runtime", "dist", "--data-parallel", "2"], "one stage per rank"),
     ],
 )
 def test_bad_train_flags_fail_before_any_work(capsys, tmp_path, flags, message):

@@ -2,7 +2,7 @@
 
 Three runs of the multi-process runtime (two processes) on the default corpus, with the same
 model, data, micro-batches, optimizer and seed: ``1f1b``, the synchronous schedule with the
-smallest simulated bubble that the runtime trains (today ``zb-h1`` at P=2), and ``paci``.
+smallest simulated bubble that the runtime trains (``zbv`` at P=2), and ``paci``.
 
 Speed on a shared machine moves by tens of percent from one minute to the next, so a single
 run of each schedule can flip a ratio. The demo therefore trains in rounds: each run is cut

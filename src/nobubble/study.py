@@ -259,9 +259,32 @@ def run_study(
     return result
 
 
+def format_measured(bench: dict[str, Any]) -> list[str]:
+    """The table of a ``bench runtime --json`` result: medians over its alternating rounds."""
+    lines = [
+        "| variant | tokens/s (median) | per round | vs 1f1b | vs torch twin | bubble | "
+        "peak act. MB/rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in bench.items():
+        if name == "config":
+            continue
+        rounds = ", ".join(f"{t:,.0f}" for t in r["tokens_per_s_rounds"])
+        twin = r.get("vs_torch_twin")
+        bubble = r.get("bubble")
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {rounds} | {r['vs_1f1b']:.2f} | "
+            f"{'-' if twin is None else f'{twin:.2f}'} | "
+            f"{'-' if bubble is None else f'{bubble:.1%}'} | "
+            f"{max(r['peak_activation_bytes']) / 2**20:.0f} |"
+        )
+    return lines
+
+
 def format_study(result: dict[str, Any]) -> str:
     c = result["costs"]
-    lines = [
+    lines = [*format_measured(result["measured"]), ""] if result.get("measured") else []
+    lines += [
         "measured per micro-batch and stage (s): "
         f"F {c['fwd']:.4f}  B {c['bwd']:.4f}  I {c['bwd_input']:.4f}  W {c['bwd_weight']:.4f}  "
         f"STEP {c['step']:.4f}  send {c['transfer']:.6f}",
