@@ -478,3 +478,16 @@ def test_grid_seconds_counts_each_run_once():
     names |= {s.name for s in grids.error_feedback(grids.LONG, lrs, 3)}
     names |= {s.name for s in grids.paci(grids.LONG, lrs, 3)}
     assert sum(cost.values()) == len(names) * grids.LONG.base["steps"]
+
+
+def test_the_code_version_covers_the_optimizer_librarys_version(monkeypatch):
+    import importlib.metadata
+
+    before = keys.code_version()
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: "0.0.1" if name == "pytorch-optimizer" else real(name),
+    )
+    assert keys.code_version() != before

@@ -73,6 +73,18 @@ def test_train_without_the_library_exits_2_before_any_work(monkeypatch, tmp_path
     assert not out.exists()
 
 
+def test_the_longer_regime_without_the_library_exits_2_before_any_run(
+    monkeypatch, tmp_path, capsys
+):
+    """Its grids run SOAP: a missing extra is named before the lr sweep starts."""
+    monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)
+    out = tmp_path / "never"
+    argv = ["experiment", "error-feedback", "--regime", "long", "--out", str(out)]
+    assert main(argv) == 2
+    assert "optimizer 'soap' comes from the pytorch-optimizer" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_the_core_optimizers_need_no_library(monkeypatch):
     monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)
     for name in ("adamw", "muon", "nadam", "lion"):
