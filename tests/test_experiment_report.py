@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -193,14 +194,15 @@ def test_ef_verdict_compares_the_recovered_share_with_table_2():
 
 def test_depth_and_paci_verdicts_follow_the_papers_classes():
     growth = {"pipedream": _iv(0.3, 0.35, 0.4), "pipedream+EF": _iv(0.2, 0.25, 0.3)}
-    growth["2bw"] = _iv(0.0, 0.002, -0.002)
     depth = {
         "growth_depths": [2, 8],
         "growth": {"muon": growth},
         "gaps": {"muon": {"pipedream+EF": {"4": _iv(0.005, -0.004, 0.0)}}},
     }
-    parts = report.verdict_depth(depth)
-    assert len(parts) == 4 and all(p.startswith("reproduced: muon ") for p in parts), parts
+    *parts, note = report.verdict_depth(depth)
+    assert len(parts) == 3 and all(p.startswith("reproduced: muon ") for p in parts), parts
+    assert "(momentum 0.99)" in parts[2]
+    assert note.startswith("no verdict: 2bw's gap is one run for every P")
     pair = {
         "optimizer": "adamw",
         "stages": 4,
@@ -244,6 +246,63 @@ def test_paci_arms_pair_each_arm_with_its_flush_by_seed():
     assert any("arm pipedream: pipedream a=4 - flush +0.3000" in p for p in parts)
 
 
+def test_depth_pairs_every_pipedream_depth_with_the_one_baseline_by_seed(tmp_path):
+    sync = {0: 4.0, 1: 4.2, 2: 4.1}
+    runs = [
+        _outcome(f"s{s}", v, optimizer="adamw", schedule="1f1b", seed=s) for s, v in sync.items()
+    ]
+    runs += [
+        _outcome(f"b{s}", v + 0.1, optimizer="adamw", schedule="2bw", correction="none", seed=s)
+        for s, v in sync.items()
+    ]
+    for p, extra in ((2, 0.05), (4, 0.2)):
+        for corr in ("none", "ef"):
+            runs += [
+                _outcome(
+                    f"pd-{corr}-{p}-{s}",
+                    v + extra * (s + 1) - (0.01 if corr == "ef" else 0.0),
+                    optimizer="adamw",
+                    schedule="pipedream",
+                    stages=p,
+                    correction=corr,
+                    seed=s,
+                )
+                for s, v in sync.items()
+            ]
+    from nobubble.experiments import depth_analysis
+
+    summary = depth_analysis.analyze_depth({o.spec.name: o for o in runs}, tmp_path, ("adamw",))
+    assert summary["design"] == depth_analysis.DESIGN
+    gaps = summary["gaps"]["adamw"]
+    assert stats.per_seed(gaps["pipedream"]["4"]) == pytest.approx({0: 0.2, 1: 0.4, 2: 0.6})
+    assert stats.per_seed(gaps["pipedream+EF"]["2"]) == pytest.approx({0: 0.04, 1: 0.09, 2: 0.14})
+    assert gaps["2bw"]["2"] == gaps["2bw"]["4"]  # one run for every P
+    assert stats.per_seed(gaps["2bw"]["2"]) == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})
+    growth = stats.per_seed(summary["growth"]["adamw"]["pipedream"])
+    assert growth == pytest.approx({0: 0.15, 1: 0.3, 2: 0.45})
+    assert "2bw" not in summary["growth"]["adamw"]
+    assert "every P (one run)" in depth_analysis.depth_table(summary)
+
+
+def test_a_depth_summary_of_the_old_design_is_stale(tmp_path):
+    (tmp_path / "depth").mkdir()
+    old = {"format": analysis.FORMAT, "gaps": {}, "growth": {}, "seeds": 3}
+    (tmp_path / "depth" / "summary.json").write_text(json.dumps(old))
+    result = report.write_report(tmp_path, tmp_path / "results.md")
+    assert result["verdicts"]["depth"] == "inconclusive (stale summary)"
+    assert "predates the redone depth design" in (tmp_path / "results.md").read_text()
+
+
+def test_report_states_the_method_and_the_longer_regime_before_any_claim(tmp_path):
+    report.write_report(tmp_path, tmp_path / "results.md")
+    text = (tmp_path / "results.md").read_text()
+    assert text.index("## Method and budget") < text.index("## One-step delay")
+    assert "19.8 tokens per parameter" in text and "1.4 tokens per parameter" in text
+    assert re.search(r"Budget of the longer regime on this 2-core machine: \d+\.\d h", text)
+    for command in ("error-feedback --regime long", "paci --regime long"):
+        assert f"Not run yet: `nobubble experiment {command}`." in text
+
+
 def test_report_marks_old_summaries_stale(tmp_path):
     (tmp_path / "delay-vs-optimizer").mkdir()
     old = {"optimizers": {"adamw": {"gap": 0.9, "gap_per_seed": [0.9]}}, "seeds": 2}
@@ -254,11 +313,19 @@ def test_report_marks_old_summaries_stale(tmp_path):
 
 
 # ----- grids -----------------------------------------------------------------------------------
-def test_every_verdict_pair_has_enough_seeds_in_the_full_grids():
-    profile = grids.FULL
+MAKERS = {
+    "delay-vs-optimizer": grids.delay_vs_optimizer,
+    "error-feedback": grids.error_feedback,
+    "depth": grids.depth,
+    "paci": grids.paci,
+}
+
+
+@pytest.mark.parametrize("profile", [grids.FULL, grids.LONG], ids=["short", "long"])
+def test_every_verdict_pair_has_enough_seeds_in_the_full_grids(profile):
     lrs = {opt: profile.lr_grid[opt][0] for opt in profile.optimizers}
     assert profile.seeds >= stats.MIN_SEEDS
-    for make in (grids.delay_vs_optimizer, grids.error_feedback, grids.depth, grids.paci):
+    for make in [MAKERS[e] for e in profile.experiments]:
         seeds: dict[tuple, set[int]] = {}
         for spec in make(profile, lrs, profile.seeds):
             labels = dict(spec.labels)
@@ -328,3 +395,99 @@ def test_training_sources_cover_the_numerics_and_skip_the_readers():
     for name in ("core/ir.py", "core/deps.py", "core/ledger.py", "config.py", "train.py"):
         assert name in names
     assert not any(n.startswith(("experiments/", "core/viz/")) for n in names)
+
+
+def _resolved(spec: RunSpec, profile: grids.Profile):
+    from nobubble.config import TrainConfig
+
+    return TrainConfig.from_mapping({**profile.base, **spec.overrides})
+
+
+def test_depth_grid_is_paper_a_section_6():
+    """clip 0 for every run, one sync and one 2bw run per seed (P=1), PipeDream at B/P sequences
+    per update for P times the updates on the same tokens and validation windows, Muon at 0.99."""
+    profile = grids.FULL
+    specs = grids.depth(profile, {"adamw": 1e-2, "muon": 1e-2}, 3)
+    cfgs = {s.name: _resolved(s, profile) for s in specs}
+    assert all(c.clip == 0 for c in cfgs.values())
+    assert all(c.momentum == 0.99 for c in cfgs.values() if c.optimizer == "muon")
+    assert all(c.momentum == 0.95 for c in cfgs.values() if c.optimizer == "adamw")
+    base = [s for s in specs if s.labels["schedule"] in ("1f1b", "2bw")]
+    assert len(base) == 2 * 2 * 3 and all(s.overrides["stages"] == 1 for s in base)
+    sync = cfgs["depth-1f1b-adamw-s0"]
+    tokens = sync.steps * sync.tokens_per_step
+    windows = sync.eval_batches * sync.micro_batch_size
+    for p in profile.depths:
+        pd = cfgs[f"depth-pipedream-none-adamw-P{p}-s0"]
+        assert (pd.schedule, pd.stages, pd.num_microbatches) == ("pipedream", p, 1)
+        assert pd.micro_batch_size * p == sync.num_microbatches * sync.micro_batch_size  # B/P
+        assert pd.steps == p * sync.steps and pd.steps * pd.tokens_per_step == tokens
+        assert pd.eval_every * sync.steps == pd.steps * sync.eval_every
+        assert pd.eval_batches * pd.micro_batch_size == windows
+
+
+def test_depths_that_do_not_divide_the_batch_are_refused_before_any_run(tmp_path, capsys):
+    from nobubble.cli import main
+
+    out = tmp_path / "x"
+    assert main(["experiment", "depth", "--depths", "3", "--out", str(out)]) == 2
+    assert "depth 3 does not divide the update batch of 16 sequences" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_the_longer_regime_is_20_tokens_per_parameter_with_a_x2_lr_grid():
+    from nobubble.model import model_config
+
+    profile = grids.LONG
+    b = profile.base
+    params = model_config(b["model"], b["vocab_size"], b["seq_len"]).num_params()
+    tokens = b["steps"] * b["microbatches"] * b["micro_batch_size"] * b["seq_len"]
+    assert 250_000 <= params <= 350_000 and b["vocab_size"] == 512
+    assert b["microbatches"] * b["micro_batch_size"] == 32 and b["seq_len"] == 128
+    assert 19 <= tokens / params <= 21
+    assert profile.experiments == ("error-feedback", "paci") and "soap" in profile.optimizers
+    for grid in profile.lr_grid.values():
+        assert all(hi / lo == pytest.approx(2.0) for lo, hi in itertools.pairwise(grid))
+    sweep = grids.lr_sweep(profile)
+    assert {(s.overrides["schedule"], s.overrides["stages"]) for s in sweep} == {("1f1b", 1)}
+    lrs = {opt: 3e-3 for opt in profile.optimizers}
+    ef = grids.error_feedback(profile, lrs, 3)
+    assert {s.labels.get("correction") for s in ef} == {None, "ef"}  # sync, 2bw, 2bw + EF
+    paci = grids.paci(profile, lrs, 3)
+    assert {s.overrides.get("runtime", "emulate") for s in paci} == {"emulate"}
+    pairs = [s for s in paci if "arm" not in s.labels]
+    assert {(s.labels["optimizer"], s.labels["a"], s.overrides["clip"]) for s in pairs} == {
+        ("adamw", 4, 0.0)
+    }
+
+
+def test_the_longer_regime_defines_only_its_two_claims(tmp_path, capsys):
+    from nobubble.cli import main
+
+    out = tmp_path / "x"
+    assert main(["experiment", "depth", "--regime", "long", "--out", str(out)]) == 2
+    assert "--regime long defines error-feedback, paci, not depth" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_grid_seconds_counts_each_run_once():
+    ones = {key: 1.0 for key in grids.LONG_SECONDS_PER_STEP}
+    cost = grids.grid_seconds(grids.LONG, ones)
+    lrs = {opt: grids.LONG.lr_grid[opt][0] for opt in grids.LONG.optimizers}
+    names = {s.name for s in grids.lr_sweep(grids.LONG)}
+    names |= {s.name for s in grids.error_feedback(grids.LONG, lrs, 3)}
+    names |= {s.name for s in grids.paci(grids.LONG, lrs, 3)}
+    assert sum(cost.values()) == len(names) * grids.LONG.base["steps"]
+
+
+def test_the_code_version_covers_the_optimizer_librarys_version(monkeypatch):
+    import importlib.metadata
+
+    before = keys.code_version()
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: "0.0.1" if name == "pytorch-optimizer" else real(name),
+    )
+    assert keys.code_version() != before

@@ -34,7 +34,13 @@ def root(tmp_path_factory):
         assert (
             main(["experiment", name, "--quick", "--seeds", "1", "--out", str(out), "--json"]) == 0
         )
+    for name in LONG:  # the longer regime's grids at the quick sizes; they share the runs folder
+        argv = ["experiment", name, "--quick", "--regime", "long", "--seeds", "1"]
+        assert main([*argv, "--out", str(out), "--json"]) == 0
     return out
+
+
+LONG = ("error-feedback", "paci")
 
 
 def test_quick_experiments_write_their_files(root):
@@ -47,6 +53,12 @@ def test_quick_experiments_write_their_files(root):
         assert _finite({k: v for k, v in summary.items() if k != "base"})
     lr = json.loads((root / "lr-sweep" / "lr.json").read_text())
     assert set(lr["best"]) == {"adamw", "muon"}
+    for name in LONG:
+        summary = json.loads((root / f"{name}-long" / "summary.json").read_text())
+        assert summary["experiment"] == name and summary["profile"] == "quick-long"
+        assert _finite({k: v for k, v in summary.items() if k != "base"})
+    long_lr = json.loads((root / "lr-sweep-long" / "lr.json").read_text())
+    assert set(long_lr["val_loss"]["adamw"]) == {"0.0015", "0.003"}
 
 
 def test_run_folders_carry_the_hash_of_their_config_and_code(root):
@@ -67,6 +79,14 @@ def test_quick_summaries_have_the_reported_keys(root):
         assert {"gap_none", "ef", "sync-warmup", "lam_sweep_gap"} <= set(row)
     depth = json.loads((root / "depth" / "summary.json").read_text())
     assert set(depth["gaps"]["adamw"]) == {"pipedream", "pipedream+EF", "2bw"}
+    assert set(depth["gaps"]["muon"]["pipedream"]) == {"2", "4"}
+    assert set(depth["growth"]["adamw"]) == {"pipedream", "pipedream+EF"}
+    ef_long = json.loads((root / "error-feedback-long" / "summary.json").read_text())
+    for row in ef_long["optimizers"].values():  # EF only: no sync start, no lam sweep
+        assert "ef" in row and "sync-warmup" not in row
+    paci_long = json.loads((root / "paci-long" / "summary.json").read_text())
+    assert [(p["optimizer"], p["a"]) for p in paci_long["pairs"]] == [("adamw", 4)]
+    assert paci_long["measured"] is None and paci_long["lower_lr"] == []
     paci = json.loads((root / "paci" / "summary.json").read_text())
     assert {p["a"] for p in paci["pairs"] if p["optimizer"] == "adamw"} == {2, 4}
     assert paci["measured"]["seconds_to_target"]["paci"] is not None
@@ -106,6 +126,9 @@ def test_report_collects_every_experiment(root, tmp_path):
     text = target.read_text()
     for title in ("One-step delay", "Error feedback", "PipeDream vs 2BW", "PACI vs 1F1B"):
         assert title in text
+    assert "## Method and budget" in text
+    for name in LONG:
+        assert f"Command: `nobubble experiment {name} --regime long --seeds 1 --quick`" in text
     assert "**Verdict:**" in text
     assert text.index("## Verdict rules") < text.index("## One-step delay")
     assert "inconclusive (1 seed; R4)" in text  # the quick profile runs one seed

@@ -68,7 +68,8 @@ RUNTIME_ONLY = (
 class TrainConfig:
     """One training run. Every field is a ``nobubble train`` flag of the same name.
 
-    schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion.
+    schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion, or
+        soap | adan | mars | normuon with the optim extra.
     correction: none | ef (update-level error feedback, ``ef_lambda``) | sync-warmup
         (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
     stages: pipeline ranks P (the stages too, but for interleaved-1f1b and zbv).

@@ -32,6 +32,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         progress=not args.json,
         report_to=args.report_to,
         depths=args.depths,
+        regime=args.regime,
     )
     if args.json:
         print(json.dumps(summary, default=str))
@@ -43,13 +44,9 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         return 0
     from pathlib import Path
 
-    root = (
-        Path(args.out)
-        if args.out
-        else Path("runs") / ("experiments-quick" if args.quick else "experiments")
-    )
-    print((root / args.name / "table.md").read_text())
-    print(f"figures and summary.json in {root / args.name}")
+    folder = Path(summary["folder"])
+    print((folder / "table.md").read_text())
+    print(f"figures and summary.json in {folder}")
     return 0
 
 
@@ -156,6 +153,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="P,P,...",
         help="depth: pipeline depths to run (default 2,4,8; --quick 2,4)",
+    )
+    p.add_argument(
+        "--regime",
+        choices=("short", "long"),
+        default="short",
+        help="long: ~20 tokens per parameter (issue 12 item 7), for error-feedback and paci; "
+        "its summaries go beside the short regime's (NAME-long) and share its runs",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(

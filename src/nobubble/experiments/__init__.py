@@ -12,6 +12,7 @@ from typing import Any
 from nobubble.experiments import analysis, depth_analysis, grids, paci_analysis
 from nobubble.experiments.runner import RunOutcome, run_grid
 from nobubble.experiments.stats import MIN_SEEDS
+from nobubble.optim.library import check_installed
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,15 @@ def default_root(quick: bool) -> Path:
     return Path("runs") / ("experiments-quick" if quick else "experiments")
 
 
+def summary_folder(name: str, profile: grids.Profile) -> str:
+    """Where an experiment's summary goes under the root: the longer regime's beside the short
+    one's (``error-feedback-long``); both regimes share the root's runs folder (keys differ)."""
+    return f"{name}-long" if profile.name.endswith("long") else name
+
+
 def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> dict[str, float]:
     """Best synchronous lr per optimizer (final validation loss), shared by all experiments."""
-    out = root / "lr-sweep"
+    out = root / summary_folder("lr-sweep", profile)
     out.mkdir(parents=True, exist_ok=True)
     outcomes = run_grid(
         grids.lr_sweep(profile), profile.base, root / "runs", jobs, progress, "lr sweep"
@@ -48,6 +55,14 @@ def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> 
         scores = {o.spec.labels["lr"]: analysis.final_val(o) for o in runs}
         best[opt] = min(scores, key=lambda lr: scores[lr])
         table[opt] = {str(k): v for k, v in sorted(scores.items())}
+        grid = profile.lr_grid[opt]
+        if len(grid) > 1 and best[opt] in (min(grid), max(grid)):
+            log.warning(
+                "%s: the best lr %g is on the edge of its grid %s; extend the grid",
+                opt,
+                best[opt],
+                grid,
+            )
     (out / "lr.json").write_text(json.dumps({"best": best, "val_loss": table}, indent=1) + "\n")
     return best
 
@@ -61,9 +76,16 @@ def run_experiment(
     progress: bool = True,
     report_to: str = "docs/results.md",
     depths: tuple[int, ...] | None = None,
+    regime: str = "short",
 ) -> dict[str, Any]:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
+    profile = grids.profile_for(regime, quick)
+    if name != "report" and name not in profile.experiments:
+        raise ValueError(
+            f"--regime {regime} defines {', '.join(profile.experiments)}, not {name}: "
+            "run it without --regime"
+        )
     if seeds is not None and seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     root = Path(out) if out else default_root(quick)
@@ -71,7 +93,8 @@ def run_experiment(
         from nobubble.experiments.report import write_report
 
         return write_report(root, Path(report_to))
-    profile = grids.QUICK if quick else grids.FULL
+    for opt in profile.optimizers:  # a missing optional library fails here, before any run
+        check_installed(opt)
     seeds = profile.seeds if seeds is None else seeds
     if seeds < MIN_SEEDS and not quick:  # the quick profile is a smoke test, not evidence
         log.warning(
@@ -85,8 +108,10 @@ def run_experiment(
         if name != "depth":
             raise ValueError(f"--depths is an option of the depth experiment, not of {name}")
         profile = dataclasses.replace(profile, depths=depths)
+    # build the grid once with placeholder lrs: a grid that cannot be built fails before the sweep
+    GRIDS[name](profile, {o: profile.lr_grid[o][0] for o in profile.optimizers}, seeds)
     lrs = tuned_lrs(profile, root, jobs, progress)
-    exp_dir = root / name
+    exp_dir = root / summary_folder(name, profile)
     exp_dir.mkdir(parents=True, exist_ok=True)
     outcomes = run_grid(
         GRIDS[name](profile, lrs, seeds), profile.base, root / "runs", jobs, progress, name
@@ -102,6 +127,7 @@ def run_experiment(
         depths=list(profile.depths) if name == "depth" else None,
         params=_params(outcomes),
     )
+    summary["folder"] = str(exp_dir)
     analysis.write_summary(exp_dir, name, summary, TABLES[name](summary))
     return summary
 
@@ -118,7 +144,7 @@ def summarize(
     if name == "depth":
         return depth_analysis.analyze_depth(outcomes, out, profile.optimizers)
     if name == "error-feedback":
-        return analysis.analyze_ef(outcomes, out, profile.optimizers, lrs)
+        return analysis.analyze_ef(outcomes, out, profile.optimizers, lrs, profile.corrections)
     return analysis.analyze_delay(outcomes, out, profile.optimizers, lrs)
 
 

@@ -157,18 +157,25 @@ def _ms(x: dict[str, float]) -> str:
 
 
 # ----- error-feedback --------------------------------------------------------------------------
+CORRECTIONS = ("ef", "sync-warmup")
+
+
 def analyze_ef(
-    outcomes: dict[str, RunOutcome], out: Path, optimizers: tuple[str, ...], lrs: dict[str, float]
+    outcomes: dict[str, RunOutcome],
+    out: Path,
+    optimizers: tuple[str, ...],
+    lrs: dict[str, float],
+    corrections: tuple[str, ...] = CORRECTIONS,
 ) -> dict[str, Any]:
-    """Per optimizer and correction (ef, sync-warmup), paired by seed: the gap left to sync, the
-    change against plain 2bw, and the share of the gap recovered."""
+    """Per optimizer and correction (ef, sync-warmup: those that ran), paired by seed: the gap
+    left to sync, the change against plain 2bw, and the share of the gap recovered."""
     base = analyze_delay(outcomes, out, optimizers, lrs)
     rows = {}
     for opt in optimizers:
         sync = by_seed(select(outcomes, optimizer=opt, schedule="1f1b"))
         delayed = by_seed(select(outcomes, optimizer=opt, schedule="2bw", correction=None))
         row: dict[str, Any] = {"gap_none": base["optimizers"][opt]["gap"]}
-        for corr in ("ef", "sync-warmup"):
+        for corr in corrections:
             corrected = by_seed(select(outcomes, optimizer=opt, correction=corr, lam=1.0))
             row[corr] = {
                 "val": mean_std(list(corrected.values())),
@@ -253,9 +260,12 @@ def ef_table(summary: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for opt, r in summary["optimizers"].items():
-        lam = ", ".join(f"{k}: {v:+.4f}" for k, v in r["lam_sweep_gap"].items())
+        lam = ", ".join(f"{k}: {v:+.4f}" for k, v in r["lam_sweep_gap"].items()) or "not run"
         cells = [stats.fmt_interval(r["gap_none"])]
-        for corr in ("ef", "sync-warmup"):
+        for corr in CORRECTIONS:
+            if corr not in r:  # not run in this regime
+                cells += ["not run"] * 3
+                continue
             paper = f"{targets.recovered(opt, corr):.1%}" if opt in targets.TABLE2 else "n/a"
             cells += [
                 stats.fmt_interval(r[corr]["gap"]),

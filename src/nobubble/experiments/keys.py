@@ -7,7 +7,8 @@ come out differently. It hashes two things:
   every field except NOT_KEYED (where a run writes, whether it prints progress, a planned
   interruption, the rendezvous port and timeout). Kept fields include the runtime, threads,
   device and backend: they change the wall clock the PACI report reads. A new field is keyed.
-- the training code's version (``code_version``): torch's version and the source of every
+- the training code's version (``code_version``): torch's version, pytorch-optimizer's (the
+  optim extra's library optimizers; "absent" when it is not installed), and the source of every
   nobubble module except NOT_TRAINING_CODE, the parts that only plan, read, draw or benchmark
   runs. Each file is hashed as its syntax tree without docstrings, so comments, docstrings and
   formatting never invalidate a run, and any other edit does. A module added later counts as
@@ -82,10 +83,16 @@ def training_sources(root: Path | None = None) -> dict[str, Path]:
 
 
 def code_version(root: Path | None = None) -> str:
-    """Hash of torch's version and of the training code's syntax (hex)."""
+    """Hash of torch's and pytorch-optimizer's versions and of the training code's syntax (hex)."""
+    import importlib.metadata
+
     import torch
 
-    digest = hashlib.sha256(f"torch {torch.__version__}\n".encode())
+    try:
+        library = importlib.metadata.version("pytorch-optimizer")
+    except importlib.metadata.PackageNotFoundError:
+        library = "absent"
+    digest = hashlib.sha256(f"torch {torch.__version__}\npytorch-optimizer {library}\n".encode())
     for name, path in training_sources(root).items():
         tree = _without_docstrings(ast.parse(path.read_text(), filename=str(path)))
         digest.update(f"{name}\n{ast.dump(tree)}\n".encode())

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nobubble.experiments import analysis, depth_analysis, paci_analysis, stats, targets
+from nobubble.experiments import analysis, depth_analysis, grids, paci_analysis, stats, targets
 from nobubble.experiments.stats import ABOVE, LOSS_MARGIN, MATCHES, SHARE_MARGIN
+from nobubble.model import model_config
 
 
 def _paper_delay() -> str:
@@ -92,6 +93,8 @@ def verdict_ef(s: dict[str, Any]) -> list[str]:
             continue
         gap_class = stats.classify(row["gap_none"], LOSS_MARGIN)
         for corr, name in (("ef", "EF"), ("sync-warmup", "sync start")):
+            if corr not in row:  # this regime did not run it
+                continue
             if gap_class != ABOVE:
                 parts.append(
                     f"inconclusive: {opt} {name}, no established gap to recover "
@@ -113,20 +116,19 @@ def verdict_ef(s: dict[str, Any]) -> list[str]:
 
 
 def verdict_depth(s: dict[str, Any]) -> list[str]:
-    """PipeDream's gap grows with P, 2BW's does not; Muon + EF PipeDream matches sync at P=4."""
+    """PipeDream's gap grows with P; Muon + EF PipeDream matches sync at P=4. 2BW's gap is the
+    same at every P by construction here (one run, no clipping), so it carries no verdict."""
     if not s.get("growth_depths"):
         return ["inconclusive (one depth only)"]
     lo, hi = s["growth_depths"]
     parts = []
     paper_p4 = targets.PIPEDREAM_P4_MUON_EF["pipedream+EF"] - targets.PIPEDREAM_P4_MUON_EF["sync"]
-    # What the paper implies, as numbers the rule can classify: PipeDream's gap grows from a
-    # match at P=4 to a loss of more than 0.03 at P=16; 2BW's delay, so its gap, is the same
-    # at every P.
+    # What the paper implies, as a number the rule can classify: PipeDream's gap grows from a
+    # match at P=4 to a loss of more than 0.03 at P=16.
     grows = targets.PIPEDREAM_P16_LOSS_AT_LEAST - paper_p4
     expected = {
         "pipedream": (grows, f"grows by > {grows:.3f} from P=4 to P=16"),
         "pipedream+EF": (grows, f"grows by > {grows:.3f} from P=4 to P=16"),
-        "2bw": (0.0, "the same delay, so the same gap, at every P"),
     }
     for opt, growth in s["growth"].items():
         for name, (paper, text) in expected.items():
@@ -136,8 +138,12 @@ def verdict_depth(s: dict[str, Any]) -> list[str]:
             parts.append(_claim(what, growth[name], LOSS_MARGIN, paper, text))
     muon_p4 = s["gaps"].get("muon", {}).get("pipedream+EF", {}).get("4")
     if muon_p4 is not None:
-        what = "muon pipedream+EF - sync at P=4"
+        what = "muon pipedream+EF - sync at P=4 (momentum 0.99)"
         parts.append(_claim(what, muon_p4, LOSS_MARGIN, paper_p4))
+    parts.append(
+        "no verdict: 2bw's gap is one run for every P (delay 1 at any depth; with no clipping "
+        "its numbers do not depend on P, tested bitwise), so its constancy is by construction"
+    )
     return parts
 
 
@@ -208,6 +214,49 @@ def _rules() -> list[str]:
     ]
 
 
+def _regime(profile: grids.Profile) -> str:
+    b = profile.base
+    tokens = b["steps"] * b["microbatches"] * b["micro_batch_size"] * b["seq_len"]
+    params = model_config(b["model"], b["vocab_size"], b["seq_len"]).num_params()
+    return (
+        f"`{b['model']}` at vocab {b['vocab_size']} ({params:,} parameters), "
+        f"{b['microbatches']} x {b['micro_batch_size']} sequences of {b['seq_len']} tokens per "
+        f"step, {b['steps']:,} steps: {tokens / 1e6:.2f}M tokens, {tokens / params:.1f} tokens "
+        f"per parameter; optimizers {', '.join(profile.optimizers)}; lr grids {profile.lr_grid}"
+    )
+
+
+def _method() -> list[str]:
+    """The two regimes and the longer one's budget, from the grids themselves."""
+    cost = grids.grid_seconds(grids.LONG, grids.LONG_SECONDS_PER_STEP)
+    total = sum(cost.values())
+    per = ", ".join(f"{k} {v / 3600:.1f} h" for k, v in cost.items())
+    return [
+        "## Method and budget",
+        "",
+        f"- Short regime (`nobubble experiment NAME`): {_regime(grids.FULL)}. Depth runs "
+        f"`{grids.FULL.extra['depth_model']}` with no clipping (one synchronous baseline for "
+        "every P), PipeDream at B/P sequences per update for P times the updates, Muon "
+        f"momentum {grids.DEPTH_MUON_MOMENTUM}.",
+        f"- Longer regime (`--regime long`, issue 12 item 7; error-feedback and paci only): "
+        f"{_regime(grids.LONG)}; {grids.LONG.seeds} seeds for every verdict pair, no side "
+        "studies; paci at P=4, a=M=4, AdamW, clip 0, with its three arms.",
+        "- Learning rates: the best final validation loss of a synchronous (P=1) sweep per "
+        "optimizer, reused unchanged by every asynchronous run (the papers' protocol).",
+        f"- Budget of the longer regime on this 2-core machine: {total / 3600:.1f} h of training "
+        f"one run at a time ({per}), so about {total / 7200:.1f} h with `--jobs 2` if nothing "
+        "else runs; plus about 5 s of start-up per run. Estimated from one timed 40-step run per "
+        "configuration (seconds per step: "
+        + ", ".join(
+            f"{sched} {opt} {dt} P={p} {sec:.3f}"
+            for (sched, opt, dt, p), sec in grids.LONG_SECONDS_PER_STEP.items()
+        )
+        + ") on 2026-12-02, while other engineers' jobs loaded the machine (load average 1.4 "
+        "to 8.0): the figures are rough, in either direction.",
+        "",
+    ]
+
+
 SECTIONS: list[tuple[str, str, Callable[[], str], Callable[..., list[str]], Callable[..., str]]] = [
     (
         "delay-vs-optimizer",
@@ -231,12 +280,32 @@ SECTIONS: list[tuple[str, str, Callable[[], str], Callable[..., list[str]], Call
         depth_analysis.depth_table,
     ),
     ("paci", "PACI vs 1F1B-flush (paper B)", _paper_paci, verdict_paci, paci_analysis.paci_table),
+    (
+        "error-feedback-long",
+        "Longer regime, ~20 tokens per parameter: error feedback (paper A, Table 2)",
+        _paper_ef,
+        verdict_ef,
+        analysis.ef_table,
+    ),
+    (
+        "paci-long",
+        "Longer regime, ~20 tokens per parameter: PACI vs 1F1B-flush (paper B)",
+        _paper_paci,
+        verdict_paci,
+        paci_analysis.paci_table,
+    ),
 ]
+# The command of each section, where it is not `nobubble experiment FOLDER`
+COMMANDS = {
+    "error-feedback-long": "error-feedback --regime long",
+    "paci-long": "paci --regime long",
+}
+PROFILE_FLAGS = {"full": "", "quick": " --quick", "long": "", "quick-long": " --quick"}
 
 
 def _depths_flag(summary: dict[str, Any]) -> str:
     depths = summary.get("depths")
-    default = [2, 4] if summary["profile"] == "quick" else [2, 4, 8]
+    default = [2, 4] if summary["profile"].startswith("quick") else [2, 4, 8]
     return f" --depths {','.join(map(str, depths))}" if depths and depths != default else ""
 
 
@@ -251,27 +320,39 @@ def write_report(root: Path, target: Path = Path("docs/results.md")) -> dict[str
         "2-core CPU machine).",
         "",
         *_rules(),
+        *_method(),
     ]
     verdicts = {}
     for name, title, paper, verdict, table in SECTIONS:
         summary = _load(root, name)
+        command = COMMANDS.get(name, name)
         lines += [f"## {title}", ""]
         if summary is None:
-            lines += [f"Not run yet: `nobubble experiment {name}`.", ""]
+            lines += [f"Not run yet: `nobubble experiment {command}`.", ""]
+            continue
+        stale_depth = name == "depth" and summary.get("design") != depth_analysis.DESIGN
+        if stale_depth and summary.get("format") == analysis.FORMAT:
+            verdicts[name] = "inconclusive (stale summary)"
+            lines += [
+                "Stale: this summary predates the redone depth design (clip 0 with one "
+                "synchronous baseline, PipeDream at B/P sequences per update, Muon momentum "
+                "0.99); rerun `nobubble experiment depth`. No verdict.",
+                "",
+            ]
             continue
         if summary.get("format") != analysis.FORMAT:
             verdicts[name] = "inconclusive (stale summary)"
             lines += [
                 f"Stale: this summary predates seed-paired statistics; rerun `nobubble "
-                f"experiment {name}` (its runs are redone under the new run keys). No verdict.",
+                f"experiment {command}` (its runs are redone under the new run keys). No verdict.",
                 "",
             ]
             continue
         parts = verdict(summary)
         verdicts[name] = "; ".join(parts)
         lines += [
-            f"Command: `nobubble experiment {name} --seeds {summary['seeds']}"
-            f"{' --quick' if summary['profile'] == 'quick' else ''}"
+            f"Command: `nobubble experiment {command} --seeds {summary['seeds']}"
+            f"{PROFILE_FLAGS.get(summary['profile'], '')}"
             f"{_depths_flag(summary)}` "
             f"({summary['runs']} runs; models and tokens per run: {summary['params']}; "
             f"learning rates from the synchronous sweep: {summary['lrs']}).",

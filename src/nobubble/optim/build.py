@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from nobubble.optim.config import OptimConfig
+from nobubble.optim.library import build_library_optimizer, build_normuon
 from nobubble.optim.lion import Lion
 from nobubble.optim.routing import Routing, route_parameters, wants_weight_decay
 
@@ -102,7 +103,11 @@ def _param_groups(
 
 
 def _adam_side(cfg: OptimConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """The single optimizer of adamw / nadam / lion, or the AdamW side of muon."""
+    """The single optimizer of adamw / nadam / lion / soap / adan / mars, or the AdamW side of
+    muon and normuon."""
+    if cfg.name in ("soap", "adan", "mars"):
+        betas = None if cfg.name == "adan" else cfg.resolved_betas
+        return build_library_optimizer(cfg.name, groups, cfg.lr, betas, cfg.eps)
     betas = cfg.resolved_betas
     if cfg.name == "nadam":
         return torch.optim.NAdam(
@@ -131,7 +136,15 @@ def build_optimizer(
     logger.info("optimizer routing: %s", routing.describe())
     by_name: dict[str, Tensor] = dict(named)
     parts: dict[str, torch.optim.Optimizer] = {}
-    if routing.muon:
+    if routing.muon and cfg.name == "normuon":
+        parts["muon"] = build_normuon(
+            _param_groups(routing.muon, by_name, cfg.weight_decay),
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            ns_steps=cfg.ns_steps,
+        )
+    elif routing.muon:
         parts["muon"] = torch.optim.Muon(
             _param_groups(routing.muon, by_name, cfg.weight_decay),
             lr=cfg.lr,

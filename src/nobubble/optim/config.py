@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "nadam", "lion")
+from nobubble.optim.library import LIBRARY_OPTIMIZERS, check_installed
+
+# The first four are torch's or written here; the library ones need the ``optim`` extra.
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "nadam", "lion", *LIBRARY_OPTIMIZERS)
 
 # Betas used when `OptimConfig.betas` is None. Lion's own paper (arXiv 2302.06675) recommends
 # (0.9, 0.99); the Adam family uses the LM-pretraining default (0.9, 0.95).
@@ -18,6 +21,11 @@ DEFAULT_BETAS: dict[str, tuple[float, float]] = {
     "muon": (0.9, 0.95),  # for the AdamW side of Muon (embeddings, head, norms)
     "nadam": (0.9, 0.95),
     "lion": (0.9, 0.99),
+    # SOAP's and MARS's own papers' pairs (arXiv 2409.11321, 2411.10438), the library's defaults
+    "soap": (0.95, 0.95),
+    "mars": (0.95, 0.99),
+    "normuon": (0.9, 0.95),  # for the AdamW side of NorMuon, as for muon
+    # adan: three betas, the library's (0.98, 0.92, 0.99); `betas` is refused for it
 }
 
 
@@ -43,7 +51,9 @@ class OptimConfig:
 
     Fields:
         name: one of OPTIMIZERS. "muon" runs torch.optim.Muon on the 2-D hidden matrices and AdamW
-            on everything else (see `route_parameters`).
+            on everything else (see `route_parameters`); "normuon" does the same with NorMuon.
+            soap, adan, mars and normuon come from pytorch-optimizer (library.py), which must
+            be installed (`pip install 'nobubble[optim]'`).
         lr: peak learning rate of the schedule. For "muon" it is the AdamW-side lr, and Muon uses
             the same value with its update RMS matched to AdamW (`adjust_lr_fn="match_rms_adamw"`,
             i.e. the Muon lr is scaled by 0.2 * sqrt(max(rows, cols))), so one lr serves both.
@@ -72,9 +82,15 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optimizer name={self.name!r} is unknown: use one of {OPTIMIZERS}")
+        check_installed(self.name)
         _check_real("lr", self.lr, 0.0, math.inf, open_low=True)
         _check_real("weight_decay", self.weight_decay, 0.0, math.inf, open_low=False)
         if self.betas is not None:
+            if self.name == "adan":
+                raise ValueError(
+                    f"betas={self.betas!r} cannot be given for adan: it has three betas and "
+                    "keeps the library's (0.98, 0.92, 0.99); leave betas unset"
+                )
             self._check_betas()
         _check_real("eps", self.eps, 0.0, 1.0, open_low=True)
         _check_real("momentum", self.momentum, 0.0, 1.0, open_low=False)

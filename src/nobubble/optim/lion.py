@@ -20,9 +20,12 @@ def lion_update(grad: Tensor, exp_avg: Tensor, beta1: float, beta2: float) -> tu
     `p <- p * (1 - lr * wd)`. Because the direction is a sign, each entry moves by exactly lr,
     which is why Lion wants a 3-10x smaller lr than AdamW. The interpolation (beta1) and the
     momentum tracking (beta2) use different betas: that is Lion's distinguishing choice.
+
+    Both mixes are written as ``lerp`` so that the rounding is pytorch-optimizer's: its Lion, an
+    independent implementation of the same paper, gives the same bits (tests/test_optim_library.py).
     """
-    direction = torch.sign(exp_avg * beta1 + grad * (1.0 - beta1))
-    new_exp_avg = exp_avg * beta2 + grad * (1.0 - beta2)
+    direction = torch.sign(exp_avg.lerp(grad, 1.0 - beta1))
+    new_exp_avg = exp_avg.lerp(grad, 1.0 - beta2)
     return direction, new_exp_avg
 
 

@@ -13,6 +13,10 @@ from torch import Tensor
 
 from nobubble.optim.config import OPTIMIZERS
 
+# Optimizers that step the 2-D hidden matrices with an orthogonalized update (the ``muon``
+# group of a Routing) and everything else with AdamW.
+MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "normuon")
+
 
 class GroupCount(NamedTuple):
     tensors: int
@@ -23,9 +27,9 @@ class GroupCount(NamedTuple):
 class Routing:
     """Names of the tensors per update rule, in the order they were given.
 
-    `muon` holds the tensors stepped by Muon (empty unless the optimizer is "muon"); `adamw` holds
-    every other tensor, stepped by AdamW, or by the single optimizer (NAdam, Lion) when the
-    optimizer is not "muon".
+    `muon` holds the tensors stepped by Muon or NorMuon (empty unless the optimizer is one of
+    MATRIX_OPTIMIZERS); `adamw` holds every other tensor, stepped by AdamW, or by the single
+    optimizer (NAdam, Lion, SOAP, ...) otherwise.
     """
 
     optimizer: str
@@ -43,7 +47,7 @@ class Routing:
     def describe(self) -> str:
         """One line, e.g. `muon: 8 tensors (1,048,576 elements) | adamw: 5 tensors (...)`."""
         counts = self.counts()
-        if self.optimizer != "muon":  # one optimizer holds everything
+        if self.optimizer not in MATRIX_OPTIMIZERS:  # one optimizer holds everything
             c = counts["adamw"]
             return f"{self.optimizer}: {c.tensors} tensors ({c.elements:,} elements)"
         return " | ".join(
@@ -78,9 +82,9 @@ def route_parameters(
 ) -> Routing:
     """Split `named_params` between Muon and the AdamW-side optimizer (see `muon_group`).
 
-    For optimizers other than "muon" every tensor goes to the one optimizer (`Routing.adamw`).
-    Raises ValueError on an unknown optimizer, duplicate or no names, and for "muon" when no
-    2-D hidden matrix is present.
+    For optimizers other than "muon" and "normuon" (MATRIX_OPTIMIZERS) every tensor goes to the
+    one optimizer (`Routing.adamw`). Raises ValueError on an unknown optimizer, duplicate or no
+    names, and for those two when no 2-D hidden matrix is present.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is unknown: use one of {OPTIMIZERS}")
@@ -92,14 +96,14 @@ def route_parameters(
         if name in numel:
             raise ValueError(f"parameter name {name!r} appears twice: names must be unique")
         numel[name] = p.numel()
-    if optimizer != "muon":
+    if optimizer not in MATRIX_OPTIMIZERS:
         return Routing(optimizer, (), tuple(numel), numel)
     groups = [(name, muon_group(name, p, adamw_names)) for name, p in named]
     muon = tuple(name for name, group in groups if group == "muon")
     if not muon and require_muon:
         raise ValueError(
-            f"optimizer='muon' found no 2-D hidden matrix among {list(numel)}: Muon would have "
-            "nothing to update; use optimizer='adamw' for this parameter set"
+            f"optimizer={optimizer!r} found no 2-D hidden matrix among {list(numel)}: it would "
+            "have nothing to update; use optimizer='adamw' for this parameter set"
         )
     adamw = tuple(name for name, group in groups if group == "adamw")
     return Routing(optimizer, muon, adamw, numel)
