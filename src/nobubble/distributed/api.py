@@ -76,10 +76,8 @@ def join(
     where = placement or one_per_rank(num_stages)
     ranks = where.num_ranks
     world_needed = ranks * data_parallel
-    per = "one stage" if ranks == num_stages else f"{num_stages // ranks} stages"
-    how = f"{num_stages} stages, {per} per process" + (
-        "" if data_parallel == 1 else f", × data_parallel={data_parallel}"
-    )
+    how = f"{num_stages} stages" + ("" if ranks == num_stages else f" on {ranks} ranks")
+    how += "" if data_parallel == 1 else f" × data_parallel={data_parallel}"
     if not dist.is_initialized():
         missing = [
             k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
