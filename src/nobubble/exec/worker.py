@@ -269,7 +269,11 @@ class StageWorker:
     def _count_saved(self, weights: dict[str, torch.Tensor]) -> Any:
         """Measure the activation bytes autograd saves for backward (weights excluded).
 
-        Unique storages are counted once; the count lands in ``self._saved_bytes``.
+        Unique storages are counted once; the count lands in ``self._saved_bytes``. The hook
+        keeps a detached alias, never ``t`` itself: when an op saves its own output, ``t``'s
+        grad_fn is the node that saves it, and that cycle (node -> saved tensor -> node) is
+        broken only by a backward that frees the graph. The split backward retains the graph
+        (I, then W), so every micro-batch's activations would stay alive for good.
         """
         weight_storages = {w.untyped_storage().data_ptr() for w in weights.values()}
         seen: set[int] = set()
@@ -281,7 +285,7 @@ class StageWorker:
             if ptr not in weight_storages and ptr not in seen:
                 seen.add(ptr)
                 self._saved_bytes += storage.nbytes()
-            return t
+            return t.detach()
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
