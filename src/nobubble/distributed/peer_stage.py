@@ -57,7 +57,7 @@ class ActivationMeter:
                 # min: a micro-batch split from the whole batch counts its own bytes only
                 self.held[key] += min(t.untyped_storage().nbytes(), t.numel() * t.element_size())
                 self._peaks()
-            return t
+            return t.detach()  # never t itself: see StageWorker._count_saved (a graph cycle)
 
         return key, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
