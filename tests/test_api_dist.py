@@ -72,12 +72,13 @@ MULTI_STAGE = ["interleaved-1f1b", "zbv"]
 MULTI_STAGE_SCRIPT = """
 import json, sys, torch
 stages, out, schedules = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+strict = sys.argv[4] == "strict"
 import test_api_dist  # not problems.py: importing transformers would cost seconds a process
 from _api_reference import run_pipeline
 problem, saved = test_api_dist.DEEP, {}
 for schedule in schedules:
     pipe, losses, _ = run_pipeline(problem, schedule, 2 * stages, 4, 2, clip=0.5,
-                                   runtime="dist", timeout=60, runner_options={"strict": True})
+                                   runtime="dist", timeout=60, runner_options={"strict": strict})
     saved[schedule] = {
         "losses": losses,
         "weights": {s: {n: p.detach().clone() for n, p in pipe.stages[s].named_parameters()}
@@ -232,15 +233,19 @@ def test_every_schedule_under_nccl_rules_equals_the_emulated_pipeline(stages, tm
             assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (schedule, rank)
 
 
+@pytest.mark.parametrize("transport", ["strict", "eager"])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_several_stages_per_rank_under_nccl_rules_equal_the_emulated_pipeline(ranks, tmp_path):
+def test_several_stages_per_rank_equal_the_emulated_pipeline(ranks, transport, tmp_path):
     """interleaved-1f1b (v=2) and zbv: each rank runs 2 stages, posts its receives in the
     sender's order (some early, buffered until their consumer runs) and hands its own stages'
-    activations over locally. Under NCCL's rules, with the global norm gathered and a drain in
-    the middle: losses, every stage's weights, evaluate (returned by the rank of the last stage:
-    rank 0 under zbv's V) and the merged state are bitwise the emulator's."""
+    activations over locally. Under NCCL's rules (strict) and under gloo's eager posting, the
+    path users run (a batch of several receives is waited for once per message: gloo's second
+    wait on a completed receive hung until the timeout), with the global norm gathered and a
+    drain in the middle: losses, every stage's weights, evaluate (returned by the rank of the
+    last stage: rank 0 under zbv's V) and the merged state are bitwise the emulator's."""
     (tmp_path / "multi.py").write_text(MULTI_STAGE_SCRIPT)
     args = [str(tmp_path / "multi.py"), str(ranks), str(tmp_path), json.dumps(MULTI_STAGE)]
+    args.append(transport)
     launch(tmp_path, ranks, args)
     torch.set_num_threads(1)
     problem = DEEP

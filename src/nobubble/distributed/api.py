@@ -386,11 +386,7 @@ class RankRunner:
         # nobubble train's runtime sets these before the first step: spans recorded on its
         # clock, and NCCL's completion rules on any backend (--strict-p2p)
         options = self.pipe.runner_options
-        # A rank of several stages posts its batches one after the other, as NCCL's stream
-        # does (the strict transport): gloo's eager posting of the sender-order plan hung
-        # (zbv, tiny, M=4, 2 ranks) where the same plan, serialized, completes; not yet
-        # understood, so the serialized path is the one these schedules run on.
-        serial = options.get("strict") or self.placement.stages_per_rank > 1
+        serial = options.get("strict")
         kind = StrictTreeTransport if serial else TreeTransport
         self.transport = kind(
             self._plan(),

@@ -57,11 +57,17 @@ class Handle:
 
     def __init__(self, works: Sequence[Any], on_cuda: bool) -> None:
         self.works, self.on_cuda = list(works), on_cuda
+        self.waited = False
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        return self.waited or all(w.is_completed() for w in self.works)
 
     def wait(self, timeout_s: float, what: str) -> None:
+        """Wait once: a batch that carries several messages is waited for by each of them, and
+        gloo's ``Work.wait`` is not idempotent (a second wait on a completed receive waits for
+        another message on its buffer, until the timeout)."""
+        if self.waited:
+            return
         if self.on_cuda or any(isinstance(w, _Future) for w in self.works):
             # NCCL's wait() only orders the current stream after the work; poll on the host so a
             # hung peer is reported here, within our timeout, instead of by NCCL's watchdog.
@@ -72,6 +78,7 @@ class Handle:
                 time.sleep(1e-4)
         for w in self.works:  # gloo: bounded by the process group's timeout
             w.wait()
+        self.waited = True
 
 
 class DistTransport:
