@@ -26,6 +26,8 @@ def _span(kind, stage, dur_s):
 
 
 def test_costs_are_the_mean_over_stages_of_each_kinds_median_span(tmp_path):
+    """I and W come from the stages after the first: the first stage's I is empty (its input
+    takes no gradient) and its W the whole backward."""
     fused, split = tmp_path / "fused", tmp_path / "split"
     for run in (fused, split):
         run.mkdir()
@@ -37,7 +39,8 @@ def test_costs_are_the_mean_over_stages_of_each_kinds_median_span(tmp_path):
     events += [_span("B", 0, 5.0), _span("B", 1, 7.0), _span("STEP", 0, 0.5)]
     events += [_span("SEND_F", 0, 0.01), _span("SEND_B", 1, 0.03)]
     (fused / "trace.json").write_text(json.dumps({"traceEvents": events}))
-    events = [_span("I", 0, 3.0), _span("I", 1, 5.0), _span("W", 0, 2.0), _span("W", 1, 2.0)]
+    events = [_span("I", 0, 0.0), _span("W", 0, 6.0), _span("I", 1, 5.0), _span("W", 1, 2.0)]
+    events += [_span("I", 2, 3.0), _span("W", 2, 2.0)]
     (split / "trace.json").write_text(json.dumps({"traceEvents": events}))
     costs = measure_costs(fused, split)
     assert costs.fwd == pytest.approx((2.0 + 4.0) / 2)  # stage medians 2 and 4

@@ -63,8 +63,11 @@ def _spans(run_dir: Path) -> dict[tuple[str, int], list[float]]:
     return out
 
 
-def _mean_median(spans: dict[tuple[str, int], list[float]], kinds: Sequence[str]) -> float:
-    medians = [statistics.median(v) for (k, _), v in spans.items() if k in kinds]
+def _mean_median(
+    spans: dict[tuple[str, int], list[float]], kinds: Sequence[str], first: int = 0
+) -> float:
+    """The mean over stages ``first``.. of each stage's median span of ``kinds``."""
+    medians = [statistics.median(v) for (k, s), v in spans.items() if k in kinds and s >= first]
     if not medians:
         raise ValueError(f"the measured timeline has no {'/'.join(kinds)} spans")
     return statistics.mean(medians)
@@ -87,8 +90,10 @@ def measure_costs(fused_run: Path, split_run: Path) -> MeasuredCosts:
     return MeasuredCosts(
         fwd=_mean_median(fused, ["F"]),
         bwd=_mean_median(fused, ["B"]),
-        bwd_input=_mean_median(split, ["I"]),
-        bwd_weight=_mean_median(split, ["W"]),
+        # from the stages whose input takes a gradient: the first stage's I is empty and its
+        # W the whole backward (exec.split); the simulator charges every stage these costs
+        bwd_input=_mean_median(split, ["I"], first=1),
+        bwd_weight=_mean_median(split, ["W"], first=1),
         step=_mean_median(fused, ["STEP"]),
         transfer=_mean_median(fused, ["SEND_F", "SEND_B"]),
         boundary_bytes=tokens * dim * 4,  # fp32 hidden states, and their gradient

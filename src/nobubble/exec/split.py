@@ -67,10 +67,12 @@ def _leaf_summaries(roots: Sequence[Node]) -> dict[Node, object]:
 @dataclass
 class WeightWork:
     """What I leaves for W: per group, the boundary edges with their captured gradients, and
-    the indices (into the stage's weight list) of the group's weights."""
+    the indices (into the stage's weight list) of the group's weights; or, on a stage whose
+    inputs take no gradient, the whole backward (``whole``: the outputs and their gradients)."""
 
     groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[int]]]
     num_weights: int
+    whole: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
 
 
 def _groups(
@@ -127,6 +129,10 @@ def _groups(
     return [(nodes, sorted(members)) for nodes, members in groups.values()]
 
 
+def _listed(grads: Sequence[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    return None if grads is None else list(grads)
+
+
 def input_backward(
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor] | None,
@@ -134,7 +140,13 @@ def input_backward(
     weights: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor], WeightWork]:
     """I: the gradients of ``inputs`` (zeros for an input the outputs do not use, as the fused
-    backward's), and what W needs; the graph is retained for W."""
+    backward's), and what W needs; the graph is retained for W.
+
+    Without inputs (the first stage: token ids take no gradient) nobody waits for I, so it
+    does nothing and W runs the whole backward, the fused B's own call: cutting it would only
+    add the boundary captures' cost (torch's pipelining does the same)."""
+    if not inputs:
+        return [], WeightWork([], len(weights), (list(outputs), _listed(grad_outputs)))
     roots = [get_gradient_edge(t) for t in outputs]
     summary = _leaf_summaries([edge.node for edge in roots])
     weight_nodes = {get_gradient_edge(w).node: i for i, w in enumerate(weights)}
@@ -179,6 +191,12 @@ def input_backward(
 
 def weight_backward(work: WeightWork, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """W: every weight's gradient (zeros for a weight the outputs do not use, as B's)."""
+    if work.whole is not None:
+        outputs, grad_outputs = work.whole
+        found = torch.autograd.grad(
+            outputs, list(weights), grad_outputs=grad_outputs, materialize_grads=True
+        )
+        return list(found)
     grads: list[torch.Tensor | None] = [None] * work.num_weights
     for edges, seen, members in work.groups:
         if not edges:
