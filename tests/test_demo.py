@@ -4,6 +4,7 @@ demo run cut into segments at its drain points."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from nobubble.demo import (
     best_synchronous,
     check_demo_args,
     format_demo,
+    machine_busy_s,
     run_demo,
     segment_figures,
 )
@@ -69,3 +71,28 @@ def test_a_demo_in_two_rounds_trains_every_step_and_continues_where_it_stopped(t
     assert again["speed"] == result["speed"]  # every segment was there: nothing ran again
     with pytest.raises(ValueError, match="other settings"):  # refused before any run
         run_demo(tmp_path, steps=6, rounds=2, progress=False, schedules=("1f1b", "paci"))
+
+
+def test_a_busy_machine_is_named_beside_the_ratios_it_skews():
+    """Other work fills the bubbles that async removes, so the table warns when other
+    processes kept a quarter of a core or more busy, and stays quiet on an idle machine."""
+    speed = {"tokens_per_s": 1.0, "tokens_per_s_rounds": [1.0], "vs_1f1b": 1.0}
+    speed |= {"vs_1f1b_rounds": [1.0], "utilization": [0.8, 0.8], "bubble_share": 0.2}
+    run = {"last_loss": 3.0, "val_loss": 3.0}
+    result = {"schedules": ["1f1b"], "runs": {"1f1b": run}, "speed": {"1f1b": speed}}
+    result |= {"rounds": 1, "steps": 10, "figure": "t.png", "cores": 2}
+    assert "warning" not in format_demo({**result, "other_cores": 0.1})
+    assert "warning" not in format_demo({**result, "other_cores": None})  # not measurable
+    busy = format_demo({**result, "other_cores": 1.5})
+    assert "1.5 of this machine's 2 cores" in busy and "rerun `nobubble demo`" in busy
+
+
+def test_the_machine_wide_cpu_clock_counts_this_process_work():
+    before = machine_busy_s()
+    if before is None:
+        pytest.skip("no /proc/stat on this platform")
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # 0.3 s of this process's CPU
+        pass
+    after = machine_busy_s()
+    assert after is not None and after - before >= 0.25

@@ -17,9 +17,12 @@ run, which the segments do not change.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,10 @@ from nobubble.core.viz import save_gantt
 
 STAGES, MICROBATCHES = 2, 4
 BASELINE, ASYNC = "1f1b", "paci"
+# Cores other processes may keep busy before the table warns: a bubble is idle time only when
+# nothing else wants the core (2026-12-02: paci/1f1b 1.22x in `bench runtime` on an idle
+# machine; the demo gave 0.96x while test suites ran beside it, load average 3.5 on 2 cores)
+BUSY_CORES = 0.25
 
 
 def best_synchronous(stages: int = STAGES, microbatches: int = MICROBATCHES) -> str:
@@ -165,6 +172,7 @@ def run_demo(
     flags, every = demo_flags(steps, rounds), steps // rounds
     for schedule in schedules:  # before any run starts
         _check_earlier_run(out / schedule, [*flags, "--schedule", schedule, "--out", "x"])
+    busy, ours, began = machine_busy_s(), children_cpu_s(), time.monotonic()
     for r in range(rounds):
         order = schedules[r % len(schedules) :] + schedules[: r % len(schedules)]
         for schedule in order:
@@ -174,6 +182,10 @@ def run_demo(
                 _run_segment(
                     run_dir, [*flags, "--schedule", schedule], (r + 1) * every, steps, progress
                 )
+    others = None
+    if busy is not None and (now := machine_busy_s()) is not None:
+        wall = max(time.monotonic() - began, 1e-9)
+        others = max(0.0, (now - busy) - (children_cpu_s() - ours)) / wall
     per_round = {
         s: [
             segment_figures(_read_records(out / s), r * every, (r + 1) * every)
@@ -214,7 +226,26 @@ def run_demo(
         "runs": summaries,
         "speed": speed,
         "figure": str(figure),
+        "other_cores": others,  # cores that other processes kept busy on average, or None
+        "cores": os.cpu_count() or 1,
     }
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds every process on the machine has used since boot (Linux ``/proc/stat``),
+    or None where that is not available."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (the demo's training processes)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def format_demo(result: dict[str, Any]) -> str:
@@ -249,4 +280,12 @@ def format_demo(result: dict[str, Any]) -> str:
         f"P={STAGES}, before the optimizer's own cost)"
     )
     lines.append(f"timelines: {result['figure']}")
+    others, cores = result.get("other_cores"), result.get("cores", 1)
+    if others is not None and others >= BUSY_CORES:
+        lines.append(
+            f"warning: other processes kept {others:.1f} of this machine's {cores} cores busy "
+            "during the demo. A busy CPU fills the pipelines' bubbles with that work, so these "
+            "ratios understate (or erase) what removing the bubble gains on an idle machine: "
+            "rerun `nobubble demo` when nothing else runs."
+        )
     return "\n".join(lines)
