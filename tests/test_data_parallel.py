@@ -232,3 +232,96 @@ def test_the_simulator_adds_the_all_reduce_to_every_step_of_every_stage():
     assert ring_allreduce(8.0, 1, bandwidth=1.0) == 0.0
     with pytest.raises(ValueError, match="--allreduce must be finite and >= 0"):
         CostModel(allreduce=-1.0)
+
+
+# ----- the overlap: buckets launched from inside the last backward -------------------------------
+class _Done:
+    """The handle of an all-reduce over one replica: the sum is the tensor itself."""
+
+    def wait(self, timeout_s: float, what: str) -> None:
+        pass
+
+
+def _linear_worker(model: torch.nn.Module, micro: int):
+    from nobubble.core.ledger import build_ledger
+    from nobubble.core.schedules import build_schedule
+    from nobubble.exec import StageWorker
+    from nobubble.optim import NoCorrection
+    from nobubble.pipeline import TorchOptimizer
+
+    schedule = build_schedule("1f1b", 1, micro, 1)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)) for _ in "ab"]
+    return StageWorker(
+        model,
+        schedule,
+        build_ledger(schedule).stages[0],
+        TorchOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
+        NoCorrection(),
+        lambda m: data[m],
+        None,
+        loss_fn=torch.nn.functional.mse_loss,
+    )
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_last_backward_launches_each_bucket_while_autograd_still_runs(micro):
+    """DDP's overlap (issue 11): the backward that completes the batch launches each bucket as
+    soon as its gradients are final, from inside autograd, the last layers' first; earlier
+    backwards launch nothing. The first layer's gradient is not final at the first launch, so
+    autograd had work left. The gradients written back are bitwise those of the accumulation
+    without hooks (one replica: the mean is the sum)."""
+    import copy
+
+    from nobubble.distributed.data_parallel import GradReducer
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())])
+    twin = _linear_worker(copy.deepcopy(model), micro)
+    worker = _linear_worker(model, micro)
+    reducer = GradReducer(worker, 1, bucket_mb=300 / 2**20)  # one Linear (288 bytes) a bucket
+    assert [len(b) for b in reducer.groups] == [2, 2, 2, 2]
+    launches: list[tuple[int, bool, bool]] = []
+    first = layers[0].weight
+    before: list[torch.Tensor | None] = []
+
+    def start(flats: list[torch.Tensor]) -> _Done:
+        inside = torch._C._current_graph_task_id() != -1  # called from inside a backward
+        now, then = first.grad, before[0]
+        unchanged = now is None if then is None else now is not None and torch.equal(now, then)
+        launches.append((len(flats), inside, unchanged))
+        return _Done()
+
+    reducer.bind(start, eager=True)
+    for m in range(micro):
+        for w in (worker, twin):
+            w.forward(m, None)
+        before[:] = [None if first.grad is None else first.grad.clone()]
+        for w in (worker, twin):
+            w.backward(m, None)
+        assert len(launches) == (0 if m < micro - 1 else 4), (m, launches)
+    assert [n for n, _, _ in launches] == [1, 1, 1, 1]  # one bucket a launch
+    assert all(inside for _, inside, _ in launches), launches
+    assert all(unchanged for _, _, unchanged in launches[:3]), launches
+    assert reducer.early[1] == 4
+    assert sorted(reducer.pending[1].flats) == [0, 1, 2, 3]
+    reducer.finish(1, 1.0, "the test's all-reduce")
+    for (name, p), (_, q) in zip(worker.named, twin.named, strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_without_the_eager_binding_the_plan_launches_every_bucket_at_once():
+    """The strict stream's way: the backward launches nothing, ``launch_rest`` all of it."""
+    from nobubble.distributed.data_parallel import GradReducer
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    worker = _linear_worker(model, 1)
+    reducer = GradReducer(worker, 1, bucket_mb=300 / 2**20)
+    launches: list[int] = []
+    reducer.bind(lambda flats: launches.append(len(flats)) or _Done(), eager=False)
+    worker.forward(0, None)
+    worker.backward(0, None)
+    assert launches == [] and worker.reducer is None
+    reducer.launch_rest(1)
+    assert launches == [2] and reducer.early[1] == 0

@@ -13,7 +13,7 @@ that shape, and so on down the pipeline (one forward per stage, no gradient).
 With ``data_parallel=D`` the world is D replicas of the pipeline on a ``(dp, pp)`` DeviceMesh:
 "rank" above means the pipeline rank (the stage, the pp coordinate), point-to-point goes to the
 global ranks of this replica's stages, and before each STEP the stage's gradients are averaged
-over its dp group (``data_parallel.GradReducer``, placed by ``comm.with_allreduce``). Each
+over its dp group (``data_parallel.GradReducer``, launched from inside the last backward). Each
 replica feeds its own batch (``Pipeline.shard`` cuts it from a global one).
 """
 

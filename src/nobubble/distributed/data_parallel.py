@@ -3,15 +3,38 @@
 ``GradReducer`` flattens one stage's gradients into buckets of at most ``bucket_bytes`` (one
 dtype per bucket, parameter order), all-reduces them with SUM and divides by the dp size when
 they come back: the mean over the replicas, the same on each (every replica receives the same
-sums). The transport launches it where the communication plan puts it (``comm.with_allreduce``:
-after the send of the last backward's gradient) and waits for it just before the STEP, so the
-previous stage gets its gradient without waiting for the all-reduce; the time between launch
-and wait is the overlap, recorded per step in ``spans``.
+sums). The STEP waits for it (``finish``), so the previous stage gets its gradient without
+waiting for the all-reduce.
+
+Where it is launched: as DDP does, from inside the backward that completes the stage's batch
+(its last B, or the last W of a split backward). A hook on each weight leaf of that backward
+accumulates the weight's gradient into ``.grad`` as soon as autograd has it, and a bucket is
+launched once all its weights are final, while autograd still computes the earlier layers'
+(backward reaches the last parameters first, so buckets go from the last one down; every
+replica launches them in that fixed order, as collectives must be). Buckets whose weights the
+backward never reached go when it returns. A split backward's last W launches from hooks when it
+is one autograd call (a stage without input gradient); its per-group calls give a weight only
+part of its gradient each, so there its buckets go when W returns.
+
+Measured (docs/runtime.md, ``nobubble train --model mini --vocab-size 1024 --data-parallel 2
+--stages 2 --runtime dist --steps 20 --threads 1 --seq-len 64 --micro-batch-size 4
+--microbatches 4 --bucket-mb 1`` on 2 CPU cores): the share of the all-reduce hidden went from
+0.0015 (launched after the backward) to 0.63; at the default 25 MB a stage of that model is one
+bucket, final only at the backward's end, and 0.18. The step time did not change on 2 cores.
+
+The strict transport (one serialized stream, ``--strict-p2p``) keeps the plan's placement
+(``comm.with_allreduce``: after the send of the last backward's gradient), see
+``StrictTransport.eager_allreduce``. Either way the buckets and the arithmetic are the same, so
+the averaged gradients are bitwise equal. ``spans`` records, per step, the first launch, the
+start of the wait and its end: the overlap is the share of that time not spent waiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,18 +42,47 @@ import torch
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
 
 
+@dataclass
+class Reduction:
+    """One step's all-reduce: per bucket its flat tensor once launched, the handles of the
+    launches, how many of each bucket's weights are not final yet, and the next bucket to
+    launch (they go from the last down)."""
+
+    left: list[int]
+    flats: dict[int, torch.Tensor] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+    launched: float = 0.0  # the first launch, on the host clock
+    early: int = 0  # buckets launched while the backward still ran
+
+    @property
+    def next(self) -> int:
+        return len(self.left) - 1 - len(self.flats)
+
+
 class GradReducer:
     """The dp all-reduce of one stage worker's gradients over a dp group of ``size`` ranks."""
 
     def __init__(self, worker: Any, size: int, bucket_mb: float) -> None:
+        self.worker = worker
         self.params: list[torch.nn.Parameter] = [p for _, p in worker.named]
         self.share = worker.share  # the stage's norm share, of the averaged gradients
         self.size = size
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.pending: dict[int, tuple[Any, list[torch.Tensor], float]] = {}
+        self.groups = self.buckets()
+        self.bucket_of = [k for k, bucket in enumerate(self.groups) for _ in bucket]
+        # the transport's launch of some buckets' all-reduce (flat tensors -> one handle)
+        self.start: Callable[[list[torch.Tensor]], Any] | None = None
+        self.pending: dict[int, Reduction] = {}
         # step -> (launched, wait began, done) on the host clock: the overlap is the share of
         # the all-reduce that passed before the wait began
         self.spans: dict[int, tuple[float, float, float]] = {}
+        self.early: dict[int, int] = {}  # step -> buckets launched inside its last backward
+
+    def bind(self, start: Callable[[list[torch.Tensor]], Any], eager: bool) -> None:
+        """Launch through ``start``; ``eager``: from inside the worker's last backward (the
+        worker calls ``launching``), else only where the plan puts it (``launch_rest``)."""
+        self.start = start
+        self.worker.reducer = self if eager else None
 
     def buckets(self) -> list[list[torch.nn.Parameter]]:
         groups: list[list[torch.nn.Parameter]] = []
@@ -44,29 +96,85 @@ class GradReducer:
             size += nbytes
         return groups
 
-    def flat(self) -> list[torch.Tensor]:
-        """One flat tensor per bucket: the gradients (zeros for a parameter without one)."""
-        out = []
-        for bucket in self.buckets():
-            grads = [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket
-            ]
-            out.append(torch.cat(grads))
-        return out
+    def _flat(self, bucket: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+        """The bucket's gradients in one tensor (zeros for a parameter without one)."""
+        zeros = torch.zeros_like
+        return torch.cat([(zeros(p) if p.grad is None else p.grad).reshape(-1) for p in bucket])
 
-    def launched(self, step: int, handle: Any, flats: list[torch.Tensor]) -> None:
-        self.pending[step] = (handle, flats, time.perf_counter())
+    def _reduction(self, step: int) -> Reduction:
+        if step not in self.pending:
+            self.pending[step] = Reduction([len(b) for b in self.groups])
+        return self.pending[step]
+
+    def _launch(self, reduction: Reduction, upto: int) -> None:
+        """Launch the buckets from the next one down to ``upto``, in one call."""
+        ks = list(range(reduction.next, upto - 1, -1))
+        if not ks:
+            return
+        assert self.start is not None, "GradReducer.bind was not called"
+        flats = [self._flat(self.groups[k]) for k in ks]
+        if not reduction.flats:
+            reduction.launched = time.perf_counter()
+        reduction.flats.update(zip(ks, flats, strict=True))
+        reduction.handles.append(self.start(flats))
+
+    def launch_rest(self, step: int) -> None:
+        """Launch every bucket of step ``step`` not launched yet (after its last backward, or
+        at the plan's position)."""
+        reduction = self._reduction(step)
+        self._launch(reduction, 0)
+        self.early.setdefault(step, reduction.early)
+
+    @contextlib.contextmanager
+    def launching(self, step: int, leaves: Sequence[torch.Tensor]) -> Iterator[set[int]]:
+        """Around step ``step``'s last backward, whose weight leaves are ``leaves`` (in
+        parameter order): each leaf's gradient goes into its parameter's ``.grad`` as autograd
+        produces it, and each bucket whose weights are all final is launched at once. Yields
+        the indices of the parameters done so, which the caller's accumulation skips."""
+        reduction = self._reduction(step)
+        done: set[int] = set()
+
+        def final(i: int, grad: torch.Tensor) -> None:
+            if i in done:
+                return
+            p = self.params[i]
+            with torch.no_grad():  # as accumulate_grads does, but never adopting ``grad``:
+                if p.grad is None:  # it may be the input gradient the transport sends
+                    p.grad = grad.to(p.dtype).clone()
+                else:
+                    p.grad.add_(grad)
+            done.add(i)
+            reduction.left[self.bucket_of[i]] -= 1
+            upto = reduction.next
+            while upto >= 0 and reduction.left[upto] == 0:
+                upto -= 1
+            before = len(reduction.flats)
+            self._launch(reduction, upto + 1)
+            reduction.early += len(reduction.flats) - before
+
+        handles = [
+            leaf.register_hook(lambda grad, i=i: final(i, grad))
+            for i, leaf in enumerate(leaves)
+            if leaf.requires_grad
+        ]
+        try:
+            yield done
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def has(self, step: int) -> bool:
         return step in self.pending
 
     def finish(self, step: int, timeout_s: float, what: str) -> None:
         """Wait for step ``step``'s all-reduce; write the mean back into each ``.grad``."""
-        handle, flats, launched = self.pending.pop(step)
+        reduction = self.pending.pop(step)
         began = time.perf_counter()
-        handle.wait(timeout_s, what)
+        for handle in reduction.handles:
+            handle.wait(timeout_s, what)
         with torch.no_grad():
-            for bucket, flat in zip(self.buckets(), flats, strict=True):
+            for k, bucket in enumerate(self.groups):
+                flat = reduction.flats[k]
                 flat.div_(self.size)
                 offset = 0
                 for p in bucket:
@@ -77,7 +185,7 @@ class GradReducer:
                     else:
                         p.grad.copy_(value)
                     offset += n
-        self.spans[step] = (launched, began, time.perf_counter())
+        self.spans[step] = (reduction.launched, began, time.perf_counter())
 
 
 def overlap(spans: dict[int, tuple[float, float, float]]) -> dict[str, float]:

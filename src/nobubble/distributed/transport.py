@@ -82,6 +82,10 @@ class Handle:
 
 
 class DistTransport:
+    # the dp all-reduce is launched bucket by bucket from inside the last backward (DDP's
+    # overlap, data_parallel.GradReducer); its own process group runs it beside the pipeline's
+    eager_allreduce = True
+
     def __init__(
         self,
         batches: Sequence[Batch],
@@ -123,6 +127,8 @@ class DistTransport:
         replica's process group, ``reducer`` the ``GradReducer`` over ``dp_group`` (or None)."""
         self.ranks, self.group = list(ranks), group
         self.reducer, self.dp_group = reducer, dp_group
+        if reducer is not None:
+            reducer.bind(self._allreduce, self.eager_allreduce)
 
     # ----- the plan -------------------------------------------------------------------------
     def _next_batch(self, position: int) -> Batch | None:
@@ -159,15 +165,16 @@ class DistTransport:
             self._reap()
 
     def _post_allreduce(self, batch: Batch) -> bool:
-        """Launch the dp all-reduce the plan puts here (its stream position: after the
-        exchange before it, before anything after it); False if ``batch`` is another kind."""
+        """Launch what is left of the dp all-reduce where the plan puts it (its stream
+        position: after the exchange before it, before anything after it): everything under
+        the strict stream, nothing if the last backward launched it all; False if ``batch``
+        is another kind."""
         if batch.ops[0].kind != ALLREDUCE:
             return False
         self.cursor += 1
         step = batch.ops[0].message.number
         assert self.reducer is not None, f"plan all-reduces for step {step}; no dp group"
-        flats = self.reducer.flat()
-        self.reducer.launched(step, self._allreduce(flats), flats)
+        self.reducer.launch_rest(step)
         return True
 
     def _allreduce(self, flats: list[torch.Tensor]) -> Handle:
@@ -273,6 +280,13 @@ class StrictTransport(DistTransport):
     starts a batch only when the previous one has completed, as an NCCL stream does. A plan
     that NCCL would deadlock on then hangs here too, and the peers' timeout reports it.
     """
+
+    # The plan's placement, not the backward's: on the one stream a bucket launched from
+    # inside the last backward would run before that backward's gradient is sent, so the
+    # previous stage would wait for the whole all-reduce, and the plan checked against NCCL's
+    # rules (comm.check_communication) puts the all-reduce after that send. NCCL runs the dp
+    # group on a stream of its own, which the eager launch of DistTransport relies on.
+    eager_allreduce = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

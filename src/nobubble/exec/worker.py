@@ -133,6 +133,11 @@ class Pending:
     activation_bytes: int
 
 
+def _nothing() -> contextlib.AbstractContextManager[set[int]]:
+    """No dp hooks: no gradient accumulated ahead of ``accumulate_grads``."""
+    return contextlib.nullcontext(set())
+
+
 def accumulate_grads(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -206,6 +211,9 @@ class StageWorker:
         self.saved: dict[int, Saved] = {}
         self.pending: dict[int, Pending] = {}  # split backward: I ran, W not yet
         self.backwards_in_batch = 0
+        # data parallelism: the GradReducer whose all-reduce the batch's last backward
+        # launches (it binds itself here; None: launched where the plan puts it)
+        self.reducer: Any = None
         # micro-batch -> loss (last stage only), kept as a device tensor until a drain point reads
         # it: a float() per micro-batch would stall a GPU's queue once per micro-batch
         self.losses: dict[int, torch.Tensor] = {}
@@ -385,16 +393,16 @@ class StageWorker:
         weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
         leaves = list(weights.values())
         input_leaves = [] if self.is_first else differentiable(saved.inputs)
-        grads = torch.autograd.grad(
-            outputs,
-            input_leaves + leaves,
-            grad_outputs=grad_outputs,
-            materialize_grads=True,  # an input or weight the outputs do not use gets zeros
-        )
+        with self._reducing(m, leaves) as done:
+            grads = torch.autograd.grad(
+                outputs,
+                input_leaves + leaves,
+                grad_outputs=grad_outputs,
+                materialize_grads=True,  # an input or weight the outputs do not use gets zeros
+            )
         grads_in = list(grads[: len(input_leaves)])
-        params = [p for _, p in self.named]
         held = [*(grad_outputs or []), *grads_in]
-        accumulate_grads(params, grads[len(input_leaves) :], held)
+        self._accumulate(m, grads[len(input_leaves) :], held, done)
         self._backward_done(m)
         self.backwards_in_batch += 1
         return pack_grads(grads_in) if grads_in else None
@@ -415,9 +423,41 @@ class StageWorker:
     def backward_weight(self, m: int) -> None:
         """W, the second half: micro-batch m's weight gradients, accumulated as B's are."""
         pending = self.pending.pop(m)
-        grads = weight_backward(pending.work, pending.weights)
-        accumulate_grads([p for _, p in self.named], grads, pending.held)
+        # one autograd call over the weight leaves (a stage without input gradient) launches
+        # the dp buckets from inside as B does; W's per-group calls give a weight that several
+        # groups reach only a partial gradient per call, so they launch when W returns
+        whole = pending.work.whole is not None
+        with self._reducing(m, pending.weights) if whole else _nothing() as done:
+            grads = weight_backward(pending.work, pending.weights)
+        self._accumulate(m, grads, pending.held, done)
         self.backwards_in_batch += 1
+
+    def _last_of_batch(self) -> bool:
+        """Whether the backward running now (B, or W of a split backward) completes the batch."""
+        return self.backwards_in_batch + 1 == self.schedule.num_microbatches
+
+    def _reducing(
+        self, m: int, leaves: Sequence[torch.Tensor]
+    ) -> contextlib.AbstractContextManager[set[int]]:
+        """Around the autograd call of micro-batch m's weight gradients: with data parallelism,
+        the batch's last backward launches the dp all-reduce bucket by bucket from inside, as
+        gradients become final (``GradReducer.launching``); it yields the parameters whose
+        gradients it accumulated already."""
+        if self.reducer is None or not self._last_of_batch():
+            return _nothing()
+        return self.reducer.launching(m // self.schedule.num_microbatches + 1, leaves)
+
+    def _accumulate(
+        self, m: int, grads: Sequence[torch.Tensor], held: Sequence[torch.Tensor], done: set[int]
+    ) -> None:
+        """Accumulate the weight gradients the dp hooks did not (``done``: all, or none); the
+        batch's last backward then launches the buckets still waiting (weights it never
+        reached)."""
+        params = [p for _, p in self.named]
+        rest = [i for i in range(len(params)) if i not in done]
+        accumulate_grads([params[i] for i in rest], [grads[i] for i in rest], held)
+        if self.reducer is not None and self._last_of_batch():
+            self.reducer.launch_rest(m // self.schedule.num_microbatches + 1)
 
     def _backward_done(self, m: int) -> None:
         if self.schedule.backward_rule == "stashed":
