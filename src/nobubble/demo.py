@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -172,7 +171,8 @@ def run_demo(
     flags, every = demo_flags(steps, rounds), steps // rounds
     for schedule in schedules:  # before any run starts
         _check_earlier_run(out / schedule, [*flags, "--schedule", schedule, "--out", "x"])
-    busy, ours, began = machine_busy_s(), children_cpu_s(), time.monotonic()
+    busy, began = machine_busy_s(), time.monotonic()  # None: not measurable here
+    ours = children_cpu_s() if busy is not None else 0.0
     for r in range(rounds):
         order = schedules[r % len(schedules) :] + schedules[: r % len(schedules)]
         for schedule in order:
@@ -244,6 +244,8 @@ def machine_busy_s() -> float | None:
 
 def children_cpu_s() -> float:
     """CPU seconds of this process's finished children (the demo's training processes)."""
+    import resource  # Unix only, as /proc/stat; imported here so the demo loads anywhere
+
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
