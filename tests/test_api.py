@@ -356,3 +356,46 @@ def test_hf_models_without_transformers_are_refused_before_any_work(tmp_path, mo
     assert main(argv) == 2
     assert "pip install 'nobubble[hf]'" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ----- non-finite gradients ------------------------------------------------------------------
+class GradientScale(nn.Module):
+    """Leaves the output as it is and gives its parameter the gradient ``scale`` times the sum
+    of the output's (a stand-in for a layer whose gradient blows up)."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale, self.weight = scale, nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blown = self.scale * self.weight * x
+        return x + (blown - blown.detach())
+
+
+def scaled_model(scale: float) -> nn.Sequential:
+    return nn.Sequential(*make_model(), GradientScale(scale))  # the last layer: stage 1
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+def test_a_non_finite_gradient_stops_the_step_naming_its_stage(schedule: str) -> None:
+    pipe = nobubble.Pipeline(
+        nobubble.split(scaled_model(float("inf")), ["3"]), loss_fn, schedule=schedule
+    )
+    before = copy.deepcopy(pipe.stages[1].state_dict())
+    with pytest.raises(FloatingPointError, match="stage 1, step 1: non-finite gradients"):
+        pipe.step(*batch(0))
+        pipe.drain()
+    for name, value in pipe.stages[1].state_dict().items():  # the step did not apply
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_finite_gradient_whose_square_overflows_is_not_called_non_finite() -> None:
+    """The norm screens for non-finite entries; a gradient entry of about 1e30 squares to inf in
+    fp32, yet every entry is finite: the exact check lets the step apply (clipping by an
+    infinite norm then scales the gradients to zero)."""
+    pipe = nobubble.Pipeline(nobubble.split(scaled_model(1e32), ["3"]), loss_fn, schedule="paci")
+    pipe.step(*batch(0))
+    result = pipe.drain()
+    assert result.steps == [1] and result.grad_norms[1][1] == float("inf")
+    assert pipe.step_count == 1
+    assert all(bool(p.isfinite().all()) for p in pipe.stages[1].parameters())

@@ -325,3 +325,80 @@ def test_without_the_eager_binding_the_plan_launches_every_bucket_at_once():
     assert launches == [] and worker.reducer is None
     reducer.launch_rest(1)
     assert launches == [2] and reducer.early[1] == 0
+
+
+@pytest.mark.parametrize(("bucket_mb", "first_mb"), [(25.0, 1.0), (0.5, 0.5)])
+def test_buckets_are_cut_from_the_last_layer_and_the_first_launched_is_small(bucket_mb, first_mb):
+    """DDP's layout: buckets cover the parameters in order, cut from the last parameter back,
+    the order the backward finishes them; the one launched first (the last) holds at most 1 MB
+    (or the bucket size if smaller), the others at most the bucket size."""
+    from types import SimpleNamespace
+
+    from nobubble.distributed.data_parallel import GradReducer
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])  # 257 KB each
+    named = list(model.named_parameters())
+    stage = SimpleNamespace(named=named, share=lambda: None)
+    groups = GradReducer(stage, 2, bucket_mb).groups
+    assert [p for group in groups for p in group] == [p for _, p in named]  # in order, once
+    sizes = [sum(p.numel() * p.element_size() for p in group) / 2**20 for group in groups]
+    assert sizes[-1] <= first_mb < sizes[-1] + 0.26, sizes  # as full as one more weight allows
+    assert all(size <= bucket_mb for size in sizes), sizes
+    if bucket_mb == 25.0:
+        assert len(groups) == 2  # 1 MB last, the remaining 2 MB in one
+
+
+def test_a_split_last_w_with_input_gradient_launches_every_bucket_when_it_returns():
+    """Stage 1 of zb-h1 splits its backward into I and W; W's per-group autograd calls give a
+    weight only part of its gradient each, so nothing launches from inside W: every bucket goes
+    in one launch when the batch's last W returns, outside autograd. The gradients are bitwise
+    those of the fused backward's accumulation (one replica: the mean is the sum)."""
+    import copy
+
+    from nobubble.core.ledger import build_ledger
+    from nobubble.core.schedules import build_schedule
+    from nobubble.distributed.data_parallel import GradReducer
+    from nobubble.exec import StageWorker
+    from nobubble.optim import NoCorrection
+    from nobubble.pipeline import TorchOptimizer
+
+    micro = 2
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    schedule = build_schedule("zb-h1", 2, micro, 1)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)) for _ in "ab"]
+    received = [torch.randn(4, 8, generator=gen) for _ in "ab"]
+
+    def stage_1(module: torch.nn.Module) -> StageWorker:
+        return StageWorker(
+            module,
+            schedule,
+            build_ledger(schedule).stages[1],
+            TorchOptimizer(torch.optim.SGD(module.parameters(), lr=0.1)),
+            NoCorrection(),
+            lambda m: data[m],
+            None,
+            loss_fn=torch.nn.functional.mse_loss,
+        )
+
+    worker, fused = stage_1(model), stage_1(copy.deepcopy(model))
+    reducer = GradReducer(worker, 1, bucket_mb=300 / 2**20)  # one Linear a bucket
+    launches: list[tuple[int, bool]] = []
+
+    def start(flats: list[torch.Tensor]) -> _Done:
+        launches.append((len(flats), torch._C._current_graph_task_id() != -1))
+        return _Done()
+
+    reducer.bind(start, eager=True)
+    for m in range(micro):
+        worker.forward(m, received[m])
+        fused.forward(m, received[m])
+        assert worker.backward_input(m, None) is not None  # the previous stage's gradient
+        worker.backward_weight(m)
+        fused.backward(m, None)
+        assert launches == ([] if m < micro - 1 else [(4, False)]), (m, launches)
+    assert reducer.early[1] == 0 and sorted(reducer.pending[1].flats) == [0, 1, 2, 3]
+    reducer.finish(1, 1.0, "the test's all-reduce")
+    for (name, p), (_, q) in zip(worker.named, fused.named, strict=True):
+        assert torch.equal(p.grad, q.grad), name

@@ -281,5 +281,32 @@ def test_a_hung_rank_of_a_replica_is_found_by_the_timeout_and_every_rank_stops(c
     print(f"\nlauncher exited {seconds:.2f} s after rank {victim} (dp 1, pp 0) hung")
     print("\n".join(line for line in stderr.splitlines() if "nobubble" in line))
     assert_stopped(out, code, stderr)
-    assert "waiting for rank 2 (dp 1, pp 0: stage 0)" in stderr, stderr[-3000:]
+    # its peers name it by its coordinates: the one they waited for, or among a meeting's ranks
+    assert "2 (dp 1, pp 0: stage 0)" in stderr and "waiting for rank" in stderr, stderr[-3000:]
     assert timeout <= seconds < 2 * timeout + 5 + 10
+
+
+def test_a_failure_at_a_meeting_names_every_rank_it_waited_for_by_its_coordinates(
+    monkeypatch, capsys
+):
+    """A collective (the checkpoint's barrier, the metrics' gather) does not say which member
+    is missing, so the line lists them all, each as ``rank (dp, pp: stages)``: a peer killed
+    while the others meet is named as one killed between two transfers is."""
+    from types import SimpleNamespace
+
+    from nobubble.config import TrainConfig
+    from nobubble.distributed import runtime
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(runtime.os, "_exit", leave)
+    cfg = TrainConfig(stages=STAGES, data_parallel=REPLICAS, runtime="dist")
+    run = SimpleNamespace(meeting=("writing the checkpoint of step 5", [0, 2, 3]), run_dir=None)
+    with pytest.raises(SystemExit):
+        runtime._fail(SimpleNamespace(rank=1), cfg, run, RuntimeError("Connection closed by peer"))
+    assert (
+        "nobubble: rank 1 (dp 0, pp 1: stage 1) failed while writing the checkpoint of step 5, "
+        "waiting for ranks 0 (dp 0, pp 0: stage 0), 2 (dp 1, pp 0: stage 0), "
+        "3 (dp 1, pp 1: stage 1): RuntimeError: Connection closed by peer; "
+    ) in capsys.readouterr().err

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket size
+FIRST_BUCKET_MB = 1.0  # and its first bucket's: the one the backward completes first
 
 
 @dataclass
@@ -85,16 +86,22 @@ class GradReducer:
         self.worker.reducer = self if eager else None
 
     def buckets(self) -> list[list[torch.nn.Parameter]]:
+        """Buckets in parameter order, cut from the last parameter back (the order the backward
+        finishes them): the last bucket, launched first, holds at most FIRST_BUCKET_MB (or the
+        bucket size if smaller), so an all-reduce starts early in the backward; the others at
+        most ``bucket_bytes``; one dtype each; a parameter larger than its cap is a bucket alone."""
         groups: list[list[torch.nn.Parameter]] = []
         size, dtype = 0, None
-        for p in self.params:
+        first = min(self.bucket_bytes, int(FIRST_BUCKET_MB * 2**20))
+        for p in reversed(self.params):
             nbytes = p.numel() * p.element_size()
-            if not groups or p.dtype != dtype or size + nbytes > self.bucket_bytes:
+            cap = first if len(groups) == 1 else self.bucket_bytes
+            if not groups or p.dtype != dtype or size + nbytes > cap:
                 groups.append([])
                 size, dtype = 0, p.dtype
             groups[-1].append(p)
             size += nbytes
-        return groups
+        return [group[::-1] for group in groups[::-1]]
 
     def _flat(self, bucket: Sequence[torch.nn.Parameter]) -> torch.Tensor:
         """The bucket's gradients in one tensor (zeros for a parameter without one)."""

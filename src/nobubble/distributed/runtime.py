@@ -261,7 +261,7 @@ class RankRun:
         P = self.num_ranks
         base = self.dp * P  # this replica's first global rank
         neighbours = [base + r for r in (self.pp - 1, self.pp + 1) if 0 <= r < P]
-        self.meeting = f"pipelined validation after step {step}", neighbours
+        self.meeting = f"running the pipelined validation after step {step}", neighbours
         val_loss = validation_loss(self.pipe, self.cfg, self.data)
         segment = self.interpreter.spans[self.segment_start :]
         self.segment_start = len(self.interpreter.spans)
@@ -541,8 +541,8 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
     if run is not None and getattr(run, "meeting", None) is not None:
         assert run.meeting is not None
         what, ranks = run.meeting
-        names = ", ".join(str(r) for r in ranks)
-        where = f"in the {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
+        names = ", ".join(_coordinates(cfg, r, run) for r in ranks)
+        where = f"while {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
     elif run is not None and getattr(run, "pipe", None) is not None and run.current is not None:
         peer = run.transport.peer_of_last_wait  # a stage of this replica
         waiting = ""

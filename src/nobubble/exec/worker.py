@@ -558,12 +558,15 @@ class StageWorker:
             assert isinstance(total_sq_norm, list | TieMeeting), "tied parameters need the meeting"
             total_sq_norm = self._add_tied(total_sq_norm)
         params: list[torch.Tensor] = [p for _, p in self.named]
-        if not grads_finite(params):
+        norm = math.sqrt(float(self.grad_sq_norm() if total_sq_norm is None else total_sq_norm))
+        # A non-finite entry makes the norm non-finite, so the norm (read anyway) screens every
+        # step for free; only a non-finite norm pays the exact pass, which tells a non-finite
+        # gradient of this stage from an overflowing square or another stage's.
+        if not math.isfinite(norm) and not grads_finite(params):
             raise FloatingPointError(
                 f"stage {self.stage}, step {step}: non-finite gradients; lower --lr, enable "
                 "clipping (--clip 1.0) or train in fp32 (--dtype fp32)"
             )
-        norm = math.sqrt(float(self.grad_sq_norm() if total_sq_norm is None else total_sq_norm))
         self.grad_norms[step] = norm
         if self.clip_norm is not None:
             scale_grads_(params, clip_coefficient(norm, self.clip_norm))
