@@ -281,8 +281,10 @@ def test_a_hung_rank_of_a_replica_is_found_by_the_timeout_and_every_rank_stops(c
     print(f"\nlauncher exited {seconds:.2f} s after rank {victim} (dp 1, pp 0) hung")
     print("\n".join(line for line in stderr.splitlines() if "nobubble" in line))
     assert_stopped(out, code, stderr)
-    # its peers name it by its coordinates: the one they waited for, or among a meeting's ranks
-    assert "2 (dp 1, pp 0: stage 0)" in stderr and "waiting for rank" in stderr, stderr[-3000:]
+    # a peer names it by its coordinates: as the rank it waited for, its dp all-reduce peer or
+    # one of a meeting's ranks (it prints nothing itself: it is stopped)
+    named = [line.split(" failed ", 1)[-1] for line in stderr.splitlines() if " failed " in line]
+    assert any("2 (dp 1, pp 0: stage 0)" in why for why in named), stderr[-3000:]
     assert timeout <= seconds < 2 * timeout + 5 + 10
 
 
@@ -309,4 +311,46 @@ def test_a_failure_at_a_meeting_names_every_rank_it_waited_for_by_its_coordinate
         "nobubble: rank 1 (dp 0, pp 1: stage 1) failed while writing the checkpoint of step 5, "
         "waiting for ranks 0 (dp 0, pp 0: stage 0), 2 (dp 1, pp 0: stage 0), "
         "3 (dp 1, pp 1: stage 1): RuntimeError: Connection closed by peer; "
+    ) in capsys.readouterr().err
+
+
+def test_a_send_refused_by_a_dead_peer_names_that_peer_by_its_coordinates(monkeypatch, capsys):
+    """gloo refuses to post a send to a peer whose connection closed (a killed rank): the
+    transport keeps the batch's ranks and the failure line names them, as a receive names the
+    rank it waited for."""
+    from types import SimpleNamespace
+
+    from nobubble.config import TrainConfig
+    from nobubble.core.ir import Action, F
+    from nobubble.distributed import runtime, transport
+
+    def refuse(ops: list) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(transport.dist, "batch_isend_irecv", refuse)
+    stub = SimpleNamespace(on_cuda=False, peer_of_last_wait=None)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        transport.DistTransport._launch(stub, [SimpleNamespace(peer=3)])  # type: ignore[arg-type]
+    assert stub.peers_of_failed_post == [3]
+
+    def leave(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(runtime.os, "_exit", leave)
+    cfg = TrainConfig(stages=STAGES, data_parallel=REPLICAS, runtime="dist")
+    run = SimpleNamespace(
+        meeting=None,
+        run_dir=None,
+        pipe=object(),
+        current=Action(0, F, 11),
+        position=26,
+        transport=stub,
+        dp=1,
+        pp=0,
+    )
+    with pytest.raises(SystemExit):
+        runtime._fail(SimpleNamespace(rank=2), cfg, run, RuntimeError("Connection closed by peer"))
+    assert (
+        "nobubble: rank 2 (dp 1, pp 0: stage 0) failed at position 26 (0F11), posting its "
+        "transfers with rank 3 (dp 1, pp 1: stage 1): RuntimeError: Connection closed by peer"
     ) in capsys.readouterr().err

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils import _pytree as pytree
 
-from nobubble.core.comm import GATHER, RECV, SEND, Batch, check_communication
+from nobubble.core.comm import GATHER, Batch, check_communication
 from nobubble.core.ir import STEP, Action, F, Schedule
 from nobubble.core.placement import Placement, one_per_rank
 from nobubble.distributed.data_parallel import GradReducer
@@ -205,45 +205,20 @@ class TreeTransport(DistTransport):
         leaves = tensor_leaves(tensor) if producer.kind == F else unpack_grads(tensor)
         self.leaves_out[producer] = [t.contiguous() for t in leaves]
 
-    def _buffers(self, message: Action) -> list[torch.Tensor]:
+    def _recv_buffers(self, message: Action) -> list[torch.Tensor]:
         if message.kind == F:  # stage s's output, the input of stage s+1 (on this rank)
             leaves = self.in_specs[message.stage + 1][1]
         else:  # the gradient of stage s's input, for stage s-1's output
             leaves = self.grad_leaves[message.stage - 1]
         return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in leaves]
 
-    def _post_point_to_point(self, position: int) -> None:
-        from nobubble.core.comm import COLLECTIVES
+    def _sent_tensors(self, message: Action) -> list[torch.Tensor]:
+        handed = self.leaves_out.pop(message, None)
+        assert handed is not None, f"plan sends {message}; nothing handed over"
+        return handed
 
-        while (batch := self._next_batch(position)) is not None:
-            if self._post_allreduce(batch):
-                continue
-            if batch.ops[0].kind in COLLECTIVES:
-                return
-            self.cursor += 1
-            ops, per_op = [], []
-            for op in batch.ops:
-                tensors: list[torch.Tensor]
-                if op.kind == SEND:
-                    handed = self.leaves_out.pop(op.message, None)
-                    assert handed is not None, f"plan sends {op.message}; nothing handed over"
-                    tensors = handed
-                    peer = self.ranks[op.peer]
-                    ops += [dist.P2POp(dist.isend, t, peer, tag=0) for t in tensors]
-                else:
-                    assert op.kind == RECV
-                    tensors = self._buffers(op.message)
-                    peer = self.ranks[op.peer]
-                    ops += [dist.P2POp(dist.irecv, t, peer, tag=0) for t in tensors]
-                per_op.append(tensors)
-            handle = self._launch(ops)
-            for op, tensors in zip(batch.ops, per_op, strict=True):
-                if op.kind == SEND:
-                    kept: Any = tensors  # the buffers live until the send completes
-                    self.sending.append((handle, kept, op.message))
-                else:
-                    self.leaves_in[op.message] = (handle, tensors)
-            self._reap()
+    def _keep_received(self, message: Action, handle: Handle, buffers: list[torch.Tensor]) -> None:
+        self.leaves_in[message] = (handle, buffers)
 
     def flush(self) -> None:
         assert not self.leaves_out, f"handed over but not posted: {sorted(self.leaves_out)}"
@@ -399,6 +374,9 @@ class RankRunner:
             self.pipe.ties,
             self.placement,
         )
+        m = self.pipe.microbatches
+        # a receive goes early only for a micro-batch fed (its message is in every replan)
+        self.transport.fed = lambda message: message.number // m < self.pipe.fed
         mesh, dp = self.pipe.mesh, self.pipe.data_parallel
         # data parallelism runs one stage per rank (Pipeline refuses more)
         reducer = GradReducer(self.worker, dp, self.pipe.bucket_mb) if dp > 1 else None

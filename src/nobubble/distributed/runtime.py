@@ -545,9 +545,13 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         where = f"while {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
     elif run is not None and getattr(run, "pipe", None) is not None and run.current is not None:
         peer = run.transport.peer_of_last_wait  # a stage of this replica
+        posted = getattr(run.transport, "peers_of_failed_post", [])  # global ranks
         waiting = ""
         if peer is not None:
             waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.stages + peer, run)}"
+        elif posted:
+            names = ", ".join(_coordinates(cfg, r, run) for r in posted)
+            waiting = f", posting its transfers with rank{'s' if len(posted) > 1 else ''} {names}"
         elif run.current.kind == STEP and cfg.data_parallel > 1:
             peers = [d * cfg.stages + run.pp for d in range(cfg.data_parallel) if d != run.dp]
             names = ", ".join(_coordinates(cfg, r, run) for r in peers)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.core.comm import ALLREDUCE, COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch
+from nobubble.core.comm import ALLREDUCE, COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch, CommOp
 from nobubble.core.ir import STEP, Action
 from nobubble.core.placement import Placement, one_per_rank, rank_of
 from nobubble.optim import sum_over_stages
@@ -85,6 +85,8 @@ class DistTransport:
     # the dp all-reduce is launched bucket by bucket from inside the last backward (DDP's
     # overlap, data_parallel.GradReducer); its own process group runs it beside the pipeline's
     eager_allreduce = True
+    # on gloo, receives are posted up to this many actions before their consumer (_post_early)
+    recv_lookahead = 2
 
     def __init__(
         self,
@@ -111,10 +113,15 @@ class DistTransport:
         self.position = start_position  # index (in the rank's order) of the next action
         self.outgoing: dict[Action, torch.Tensor] = {}  # handed over, waiting for its batch
         self.posted: dict[Action, tuple[Handle, torch.Tensor]] = {}  # receives in flight
-        self.sending: list[tuple[Handle, torch.Tensor, Action]] = []  # sends in flight
+        self.sending: list[tuple[Handle, list[torch.Tensor], Action]] = []  # sends in flight
+        self.early: set[Action] = set()  # receives posted ahead of their batch (_post_early)
+        # whether a message's micro-batch was fed (the runner of a Pipeline tells); a receive
+        # is posted early only for one
+        self.fed: Callable[[Action], bool] = lambda message: True
         self.shares: dict[int, dict[int, torch.Tensor]] = {}  # step -> local stage -> share
         self.reduced: dict[int, tuple[torch.Tensor, int]] = {}  # step -> (sum, reads left)
-        self.peer_of_last_wait: int | None = None
+        self.peer_of_last_wait: int | None = None  # a pipeline rank, while a receive waits
+        self.peers_of_failed_post: list[int] = []  # global ranks of a batch that failed to post
         # one pipeline replica among several (data parallel): its ranks by stage, its group for
         # the norm gather, and the dp all-reduce of this rank's gradients (use_mesh)
         self.ranks: list[int] = list(range(self.num_ranks))
@@ -137,32 +144,82 @@ class DistTransport:
         return None
 
     def _post_point_to_point(self, position: int) -> None:
-        """Post every point-to-point batch planned before ``position``; stop at a collective."""
+        """Post every point-to-point batch planned before ``position`` (less its receives
+        posted early); stop at a collective. Then post the receives coming up early."""
         while (batch := self._next_batch(position)) is not None:
             if self._post_allreduce(batch):
                 continue
             if batch.ops[0].kind in COLLECTIVES:
                 return
             self.cursor += 1
-            ops, buffers = [], []
-            for op in batch.ops:
-                if op.kind == SEND:
-                    tensor = self.outgoing.pop(op.message, None)
-                    assert tensor is not None, f"plan sends {op.message}; nothing was handed over"
-                    ops.append(dist.P2POp(dist.isend, tensor, self.ranks[op.peer], tag=0))
-                    buffers.append(tensor)
-                else:
-                    assert op.kind == RECV
-                    buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, self.ranks[op.peer], tag=0))
-                    buffers.append(buffer)
-            handle = self._launch(ops)
-            for op, buffer in zip(batch.ops, buffers, strict=True):
-                if op.kind == SEND:
-                    self.sending.append((handle, buffer, op.message))
-                else:
-                    self.posted[op.message] = (handle, buffer)
-            self._reap()
+            ops = [op for op in batch.ops if not (op.kind == RECV and op.message in self.early)]
+            self.early.difference_update(op.message for op in batch.ops if op.kind == RECV)
+            self._post(ops)
+        self._post_early(position)
+
+    def _post_early(self, position: int) -> None:
+        """On gloo, post the receives of the batches planned up to ``recv_lookahead`` actions
+        ahead now, in the plan's order, stopping at a collective, a drain point or a micro-batch
+        not fed yet.
+
+        gloo moves a message only once its receive is posted (a send posted first just
+        announces itself and waits for the receiver's notice), so a receive posted by its
+        consumer costs a round trip of notices between the two ranks' gloo threads, which on a
+        loaded CPU take milliseconds to wake; posted ahead, the data is on its way while this
+        rank still computes. The k-th receive from a peer meets the k-th send from it, and the
+        receives posted early are the next ones of the plan, in its order, so every message
+        still meets its own. A message of a micro-batch that was fed exists in every longer or
+        drained schedule, and per peer those come in one fixed order (one stage per rank: by
+        micro-batch; several: within the batch up to its gather, whose plan is fixed), so a
+        replanned schedule keeps them. Off on NCCL: a pending receive there holds back the
+        rank's stream, which the plan's NCCL order is built to avoid."""
+        if self.recv_lookahead <= 0 or self.on_cuda:
+            return
+        early = []
+        for batch in self.batches[self.cursor :]:
+            kind = batch.ops[0].kind
+            if batch.position > position + self.recv_lookahead or kind in (*COLLECTIVES, ALLREDUCE):
+                break
+            receives = [op for op in batch.ops if op.kind == RECV and op.message not in self.early]
+            if not all(self.fed(op.message) for op in receives):
+                break
+            early += receives
+        self.early.update(op.message for op in early)
+        self._post(early)
+
+    def _post(self, ops: Sequence[CommOp]) -> None:
+        """Launch ``ops`` in one call; keep the sends' tensors until they complete and the
+        receives' buffers for their consumers."""
+        if not ops:
+            return
+        p2p, tensors = [], []
+        for op in ops:
+            if op.kind == SEND:
+                held = self._sent_tensors(op.message)
+                p2p += [dist.P2POp(dist.isend, t, self.ranks[op.peer], tag=0) for t in held]
+            else:
+                assert op.kind == RECV
+                held = self._recv_buffers(op.message)
+                p2p += [dist.P2POp(dist.irecv, t, self.ranks[op.peer], tag=0) for t in held]
+            tensors.append(held)
+        handle = self._launch(p2p)
+        for op, held in zip(ops, tensors, strict=True):
+            if op.kind == SEND:
+                self.sending.append((handle, held, op.message))
+            else:
+                self._keep_received(op.message, handle, held)
+        self._reap()
+
+    def _sent_tensors(self, message: Action) -> list[torch.Tensor]:
+        tensor = self.outgoing.pop(message, None)
+        assert tensor is not None, f"plan sends {message}; nothing was handed over"
+        return [tensor]
+
+    def _recv_buffers(self, message: Action) -> list[torch.Tensor]:
+        return [torch.empty(self.shape, dtype=self.dtype, device=self.device)]
+
+    def _keep_received(self, message: Action, handle: Handle, buffers: list[torch.Tensor]) -> None:
+        self.posted[message] = (handle, buffers[0])
 
     def _post_allreduce(self, batch: Batch) -> bool:
         """Launch what is left of the dp all-reduce where the plan puts it (its stream
@@ -197,7 +254,11 @@ class DistTransport:
             self.cursor += 1
 
     def _launch(self, ops: list[dist.P2POp]) -> Handle:
-        return Handle(dist.batch_isend_irecv(ops), self.on_cuda)
+        try:
+            return Handle(dist.batch_isend_irecv(ops), self.on_cuda)
+        except Exception:  # gloo refuses a send to a peer whose connection is closed
+            self.peers_of_failed_post = sorted({op.peer for op in ops})
+            raise
 
     def _all_gather(self, share: torch.Tensor) -> tuple[Handle, list[torch.Tensor]]:
         parts = [torch.empty_like(share) for _ in range(self.num_ranks)]
@@ -268,6 +329,7 @@ class DistTransport:
         """Wait for every send to complete (at a drain point, which follows a STEP: the plan
         has posted every send by then, and the next receive waits for the next action)."""
         assert not self.outgoing, f"handed over but not posted: {sorted(self.outgoing)}"
+        assert not self.early, f"posted early across a drain point: {sorted(self.early)}"
         for handle, _, message in self.sending:
             handle.wait(self.timeout_s, f"the send of {message}")
         self.sending.clear()
@@ -287,6 +349,7 @@ class StrictTransport(DistTransport):
     # rules (comm.check_communication) puts the all-reduce after that send. NCCL runs the dp
     # group on a stream of its own, which the eager launch of DistTransport relies on.
     eager_allreduce = False
+    recv_lookahead = 0  # NCCL's rules: every receive where the plan puts it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,103 @@
+"""The gloo transport posts receives ahead of their consumers, in the plan's order.
+
+gloo moves a message only once its receive is posted, so ``DistTransport`` posts the receives of
+the next ``recv_lookahead`` actions early (distributed/transport.py, ``_post_early``). Checked
+here on the plans themselves, with gloo's calls recorded instead of made: the receives keep the
+plan's order (the k-th receive from a peer meets its k-th send), none is posted later than the
+plan says or more than the lookahead earlier, none for a micro-batch not fed, none across a
+gather or drain point, and NCCL's strict stream posts none early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from nobubble.core.comm import COLLECTIVES, GATHER, RECV, check_communication, incoming
+from nobubble.core.ir import STEP
+from nobubble.core.schedules import build_schedule
+from nobubble.distributed import transport as tr
+
+
+@dataclass
+class Op:  # what dist.P2POp would carry
+    fn: object
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+
+
+def replay(monkeypatch, kind, schedule, rank, fed_batches, global_clip=False, drains=()):
+    """Run rank ``rank``'s order through the transport's side of the interpreter; returns the
+    plan's receives with their planned position and the positions they were posted at."""
+    monkeypatch.setattr(tr.dist, "P2POp", Op)
+    monkeypatch.setattr(tr.dist, "batch_isend_irecv", lambda ops: [])
+    batches = check_communication(schedule, global_clip, drains)[rank]
+    transport = kind(batches, (2,), torch.float32, torch.device("cpu"), schedule.num_stages)
+    m = schedule.num_microbatches
+    transport.fed = lambda message: message.number // m < fed_batches
+    posted: list[tuple[object, int]] = []
+    launch = transport._post
+
+    def record(ops):
+        posted.extend((op.message, transport.position) for op in ops if op.kind == RECV)
+        launch(ops)
+
+    transport._post = record
+    order = schedule.ranks[rank]
+    for action in order:
+        number = action.number - 1 if action.kind == STEP else action.number // m
+        if number >= fed_batches:
+            break
+        transport.begin(action)
+        source = incoming(action, schedule.num_stages, schedule.placement)
+        if source is not None:
+            transport.recv(source.message, action.stage)
+        if action.kind != STEP:
+            transport.send(action, torch.zeros(2), action.stage)
+        elif (batch := transport._next_batch(transport.position)) and batch.ops[0].kind == GATHER:
+            transport.cursor += 1  # the norm's gather, which the STEP meets (not replayed)
+    planned = [(op.message, b.position) for b in batches for op in b.ops if op.kind == RECV]
+    gathers = [b.position for b in batches if b.ops[0].kind in COLLECTIVES]
+    return planned, posted, gathers
+
+
+@pytest.mark.parametrize(
+    ("name", "stages", "clip"), [("1f1b", 2, False), ("1f1b", 4, True), ("paci", 3, False)]
+)
+def test_receives_go_up_to_the_lookahead_early_in_the_plans_order(monkeypatch, name, stages, clip):
+    schedule = build_schedule(name, stages, 4, 3)
+    for rank in range(1, stages):
+        planned, posted, gathers = replay(
+            monkeypatch, tr.DistTransport, schedule, rank, 3, global_clip=clip
+        )
+        at = dict(posted)
+        assert [msg for msg, _ in posted] == [msg for msg, _ in planned][: len(posted)]
+        early = 0
+        for message, position in planned:
+            if message in at:
+                assert position - tr.DistTransport.recv_lookahead <= at[message] <= position
+                # never before a gather or drain point that comes before its planned position
+                assert not [g for g in gathers if at[message] < g <= position], message
+                early += at[message] < position
+        assert early > 0, (name, rank)
+
+
+def test_a_receive_of_a_micro_batch_not_fed_is_not_posted(monkeypatch):
+    """Batch 1 is not fed: nothing of it is posted, however near its receives are planned."""
+    schedule = build_schedule("paci", 2, 4, 3)
+    _, posted, _ = replay(monkeypatch, tr.DistTransport, schedule, 1, 1)
+    assert posted and all(msg.number < 4 for msg, _ in posted)
+
+
+def test_without_lookahead_and_on_the_strict_stream_every_receive_is_where_the_plan_puts_it(
+    monkeypatch,
+):
+    schedule = build_schedule("1f1b", 3, 4, 2)
+    monkeypatch.setattr(tr.DistTransport, "recv_lookahead", 0)
+    planned, posted, _ = replay(monkeypatch, tr.DistTransport, schedule, 1, 2)
+    assert posted == planned
+    monkeypatch.undo()
+    assert tr.StrictTransport.recv_lookahead == 0
