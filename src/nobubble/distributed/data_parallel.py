@@ -19,8 +19,10 @@ part of its gradient each, so there its buckets go when W returns.
 Measured (docs/runtime.md, ``nobubble train --model mini --vocab-size 1024 --data-parallel 2
 --stages 2 --runtime dist --steps 20 --threads 1 --seq-len 64 --micro-batch-size 4
 --microbatches 4 --bucket-mb 1`` on 2 CPU cores): the share of the all-reduce hidden went from
-0.0015 (launched after the backward) to 0.63; at the default 25 MB a stage of that model is one
-bucket, final only at the backward's end, and 0.18. The step time did not change on 2 cores.
+0.0015 (launched after the backward) to 0.63. The bucket launched first holds at most 1 MB, as
+DDP's first bucket: at the default 25 MB a stage of that model was one bucket, final only at
+the backward's end (0.20-0.22 hidden), and is now a 1 MB bucket and the rest (0.62-0.68). The
+step time did not change beyond the runs' spread on 2 cores.
 
 The strict transport (one serialized stream, ``--strict-p2p``) keeps the plan's placement
 (``comm.with_allreduce``: after the send of the last backward's gradient), see
