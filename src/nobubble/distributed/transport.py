@@ -1,12 +1,15 @@
 """Point-to-point transport on torch.distributed: it posts what ``comm.rank_batches`` plans.
 
 The plan is checked (``comm.check_communication``) to complete under NCCL's rules before a run
-starts; this transport then posts exactly those batches, in that order, on every backend:
-before action i, one ``batch_isend_irecv`` with the send of action i-1's output and the receive
-of action i's input (the Megatron ``send_forward_recv_backward`` pattern). A send handed over by
-the interpreter waits for the next batch; a receive is posted only by the action that consumes
-it, so nothing is pending at a collective or a drain point. Tags are 0 everywhere, as NCCL
-ignores them: messages between two ranks match in posting order, which the plan fixes.
+starts; this transport then posts exactly those batches, in that order, on NCCL: before action
+i, one ``batch_isend_irecv`` with the send of action i-1's output and the receive of action i's
+input (the Megatron ``send_forward_recv_backward`` pattern). A send handed over by the
+interpreter waits for the next batch; a receive is posted by the action that consumes it, so
+nothing is pending at a collective or a drain point. On gloo the receives of the next
+``recv_lookahead`` actions are posted earlier, in the plan's order and never across a
+collective or a drain point (``_post_early``: gloo moves a message only once its receive is
+posted). Tags are 0 everywhere, as NCCL ignores them: messages between two ranks match in
+posting order, which the plan fixes.
 
 Activations and gradients have one shape per run, agreed before training (``(B, T, D)``), so a
 receive allocates its buffer without a shape exchange. Waits are bounded by ``timeout_s``: a dead
