@@ -497,16 +497,19 @@ def paci(profile: Profile, lrs: dict[str, float], seeds: int) -> list[RunSpec]:
     return specs
 
 
-# Seconds per training step of the longer regime's runs on this 2-core machine, from one timed
-# run of 40 steps each (2026-12-02, one thread per run, one run at a time, while other
-# engineers' jobs loaded the machine: load average 1.4 at the start, 8.0 at the end), steps
-# 10-39. Keyed by (schedule, optimizer, dtype); the unmeasured flush-bf16 and pipedream arms take
-# their measured neighbours' figures (paci bf16, paci fp32).
+# Seconds per training step of the longer regime's runs on this 2-core machine, keyed by
+# (schedule, optimizer, dtype, stages). The P=1 entries are the medians of the grid's own runs
+# of 1,270 steps (2026-12-02 16:06-16:50 UTC, `--jobs 2`: two one-thread runs at a time, nothing
+# else running; summary.json's elapsed_s / 1270): adamw 1f1b 0.171 (5 runs), 2bw 0.186 (3),
+# muon 0.183 (5), soap 0.182 (4). The P=4 entries come from one timed run of 40 steps each
+# (steps 10-39, one run at a time, while other engineers' jobs loaded the machine: load average
+# 1.4 to 8.0), so they are likely high; the unmeasured flush-bf16 and pipedream arms take their
+# measured neighbours' figures (paci bf16, paci fp32).
 LONG_SECONDS_PER_STEP = {
-    ("1f1b", "adamw", "fp32", 1): 0.201,
-    ("2bw", "adamw", "fp32", 1): 0.154,
-    ("1f1b", "muon", "fp32", 1): 0.327,
-    ("1f1b", "soap", "fp32", 1): 0.486,
+    ("1f1b", "adamw", "fp32", 1): 0.171,
+    ("2bw", "adamw", "fp32", 1): 0.186,
+    ("1f1b", "muon", "fp32", 1): 0.183,
+    ("1f1b", "soap", "fp32", 1): 0.182,
     ("1f1b", "adamw", "fp32", 4): 0.325,
     ("paci", "adamw", "fp32", 4): 0.385,
     ("paci", "adamw", "bf16", 4): 0.778,

@@ -245,14 +245,14 @@ def _method() -> list[str]:
         "optimizer, reused unchanged by every asynchronous run (the papers' protocol).",
         f"- Budget of the longer regime on this 2-core machine: {total / 3600:.1f} h of training "
         f"one run at a time ({per}), so about {total / 7200:.1f} h with `--jobs 2` if nothing "
-        "else runs; plus about 5 s of start-up per run. Estimated from one timed 40-step run per "
-        "configuration (seconds per step: "
+        "else runs; plus about 5 s of start-up per run. Seconds per step (`grids.py`: P=1 from "
+        "the grid's own 1,270-step runs two at a time on 2026-12-02, the P=4 ones from one timed "
+        "40-step run each on a loaded machine, likely high): "
         + ", ".join(
             f"{sched} {opt} {dt} P={p} {sec:.3f}"
             for (sched, opt, dt, p), sec in grids.LONG_SECONDS_PER_STEP.items()
         )
-        + ") on 2026-12-02, while other engineers' jobs loaded the machine (load average 1.4 "
-        "to 8.0): the figures are rough, in either direction.",
+        + ".",
         "",
     ]
 
