@@ -242,20 +242,23 @@ class _Done:
         pass
 
 
-def _linear_worker(model: torch.nn.Module, micro: int):
+def _linear_worker(
+    model: torch.nn.Module, micro: int, schedule_name: str = "1f1b", stages: int = 1
+):
+    """The last stage of a ``stages``-stage ``schedule_name`` pipeline, trained with SGD."""
     from nobubble.core.ledger import build_ledger
     from nobubble.core.schedules import build_schedule
     from nobubble.exec import StageWorker
     from nobubble.optim import NoCorrection
     from nobubble.pipeline import TorchOptimizer
 
-    schedule = build_schedule("1f1b", 1, micro, 1)
+    schedule = build_schedule(schedule_name, stages, micro, 1)
     gen = torch.Generator().manual_seed(0)
     data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)) for _ in "ab"]
     return StageWorker(
         model,
         schedule,
-        build_ledger(schedule).stages[0],
+        build_ledger(schedule).stages[stages - 1],
         TorchOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
         NoCorrection(),
         lambda m: data[m],
@@ -355,32 +358,16 @@ def test_a_split_last_w_with_input_gradient_launches_every_bucket_when_it_return
     those of the fused backward's accumulation (one replica: the mean is the sum)."""
     import copy
 
-    from nobubble.core.ledger import build_ledger
-    from nobubble.core.schedules import build_schedule
     from nobubble.distributed.data_parallel import GradReducer
-    from nobubble.exec import StageWorker
-    from nobubble.optim import NoCorrection
-    from nobubble.pipeline import TorchOptimizer
 
     micro = 2
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-    schedule = build_schedule("zb-h1", 2, micro, 1)
-    gen = torch.Generator().manual_seed(0)
-    data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)) for _ in "ab"]
+    gen = torch.Generator().manual_seed(1)
     received = [torch.randn(4, 8, generator=gen) for _ in "ab"]
 
-    def stage_1(module: torch.nn.Module) -> StageWorker:
-        return StageWorker(
-            module,
-            schedule,
-            build_ledger(schedule).stages[1],
-            TorchOptimizer(torch.optim.SGD(module.parameters(), lr=0.1)),
-            NoCorrection(),
-            lambda m: data[m],
-            None,
-            loss_fn=torch.nn.functional.mse_loss,
-        )
+    def stage_1(module: torch.nn.Module):
+        return _linear_worker(module, micro, "zb-h1", stages=2)
 
     worker, fused = stage_1(model), stage_1(copy.deepcopy(model))
     reducer = GradReducer(worker, 1, bucket_mb=300 / 2**20)  # one Linear a bucket
