@@ -303,6 +303,64 @@ def test_report_states_the_method_and_the_longer_regime_before_any_claim(tmp_pat
         assert f"Not run yet: `nobubble experiment {command}`." in text
 
 
+def test_the_longer_regimes_delay_verdict_reads_its_error_feedback_runs(tmp_path):
+    # the longer regime runs no delay-vs-optimizer of its own: its error-feedback summary holds
+    # the same sync/2bw seed pairs, and the delay section reads them from there
+    delay = {
+        "format": analysis.FORMAT,
+        "optimizers": {
+            "adamw": {
+                "lr": 6e-3,
+                "sync": analysis.mean_std([2.7, 2.8, 2.75]),
+                "delayed": analysis.mean_std([2.95, 3.05, 3.0]),
+                "gap": _iv(0.25, 0.25, 0.26),
+            },
+        },
+        "adamw_gap_minus_muon_gap": None,
+        "figures": ["loss_curves.png"],
+    }
+    parent = {
+        "format": analysis.FORMAT,
+        "delay": delay,
+        "optimizers": {},
+        "seeds": 3,
+        "profile": "long",
+        "runs": 9,
+        "params": {},
+        "lrs": {"adamw": 6e-3},
+        "figures": [],
+    }
+    folder = tmp_path / "error-feedback-long"
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps(parent))
+    (folder / "loss_curves.png").write_bytes(b"png")
+    result = report.write_report(tmp_path, tmp_path / "docs" / "results.md")
+    assert result["verdicts"]["delay-long"].startswith("reproduced: adamw 2bw - sync")
+    text = (tmp_path / "docs" / "results.md").read_text()
+    section = text[text.index("one-step delay vs optimizer (paper A)") :]
+    assert "Command: `nobubble experiment error-feedback --regime long --seeds 3`" in section
+    assert "| adamw | 0.006 |" in section  # the delay table, from the parent's runs
+    assert (tmp_path / "docs" / "img" / "results" / "delay-long-loss_curves.png").exists()
+
+
+def test_the_method_shows_each_sweep_and_flags_a_best_lr_on_the_grids_edge(tmp_path):
+    sweep = {
+        "best": {"adamw": 6e-3, "muon": 2.4e-2},
+        "val_loss": {
+            "adamw": {"0.003": 2.76, "0.006": 2.70, "0.012": 2.71},
+            "muon": {"0.006": 2.67, "0.012": 2.64, "0.024": 2.63},
+        },
+    }
+    (tmp_path / "lr-sweep-long").mkdir()
+    (tmp_path / "lr-sweep-long" / "lr.json").write_text(json.dumps(sweep))
+    report.write_report(tmp_path, tmp_path / "results.md")
+    text = (tmp_path / "results.md").read_text()
+    assert text.index("sweep of the longer regime") < text.index("## One-step delay")
+    assert "| adamw | 0.003: 2.7600, **0.006: 2.7000**, 0.012: 2.7100 | 0.006 |" in text
+    assert "| muon | 0.006: 2.6700, 0.012: 2.6400, **0.024: 2.6300** | 0.024 (on the grid" in text
+    assert "sweep of the short regime" not in text  # not run
+
+
 def test_report_marks_old_summaries_stale(tmp_path):
     (tmp_path / "delay-vs-optimizer").mkdir()
     old = {"optimizers": {"adamw": {"gap": 0.9, "gap_per_seed": [0.9]}}, "seeds": 2}

@@ -136,8 +136,13 @@ LONG = Profile(
     },
     optimizers=("adamw", "muon", "soap"),  # soap needs the optim extra
     # x2 around item 9's untuned 3e-3 (the papers' 2e-3 to 4e-3 for AdamW); a best value on the
-    # grid's edge is logged, and the grid should then be extended
-    lr_grid={opt: (1.5e-3, 3e-3, 6e-3, 1.2e-2) for opt in ("adamw", "muon", "soap")},
+    # grid's edge is logged, and the grid is then extended: Muon's best was 1.2e-2, its top, in
+    # the first sweep (2026-12-02), then 2.4e-2, so its grid goes three steps further
+    lr_grid={
+        "adamw": (1.5e-3, 3e-3, 6e-3, 1.2e-2),
+        "muon": (1.5e-3, 3e-3, 6e-3, 1.2e-2, 2.4e-2, 4.8e-2, 9.6e-2),
+        "soap": (1.5e-3, 3e-3, 6e-3, 1.2e-2),
+    },
     seeds=MIN_SEEDS,
     accums=(4,),  # a = M = P: every micro-batch crosses at most one update (paper B's a >= P-1)
     lambdas=(),

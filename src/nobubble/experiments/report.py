@@ -53,9 +53,26 @@ def _paper_paci() -> str:
     return f"arXiv 2606.07881, P=8, PACI - flush final training loss: {diffs}"
 
 
+# Sections read from another experiment's summary: the longer regime has no delay-vs-optimizer
+# experiment of its own, its error-feedback runs hold the same sync and 2bw seed pairs
+DERIVED = {"delay-long": ("error-feedback-long", "delay")}
+# what a derived section keeps of its parent summary besides the part it reads
+RUN_FIELDS = ("format", "seeds", "profile", "runs", "params", "lrs", "folder")
+
+
 def _load(root: Path, name: str) -> dict[str, Any] | None:
-    path = root / name / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    folder, part = DERIVED.get(name, (name, None))
+    path = root / folder / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    if part is None or part not in summary:
+        return summary
+    return {**summary[part], **{k: summary[k] for k in RUN_FIELDS if k in summary}}
+
+
+def _folder(name: str) -> str:
+    return DERIVED.get(name, (name, None))[0]
 
 
 def _claim(
@@ -226,7 +243,36 @@ def _regime(profile: grids.Profile) -> str:
     )
 
 
-def _method() -> list[str]:
+def _sweeps(root: Path) -> list[str]:
+    """The synchronous lr sweep of each regime that ran: final validation loss per lr, the
+    chosen one in bold, and a warning where the best sits on the grid's edge."""
+    lines = []
+    for folder, regime in (("lr-sweep", "short"), ("lr-sweep-long", "longer")):
+        path = root / folder / "lr.json"
+        if not path.exists():
+            continue
+        sweep = json.loads(path.read_text())
+        lines += [
+            f"Learning-rate sweep of the {regime} regime (synchronous, P=1, seed 0; final "
+            "validation loss, the chosen lr in bold):",
+            "",
+            "| optimizer | val loss by lr | chosen |",
+            "|---|---|---|",
+        ]
+        for opt, by_lr in sweep["val_loss"].items():
+            best = sweep["best"][opt]
+            cells = ", ".join(
+                f"**{lr}: {v:.4f}**" if float(lr) == best else f"{lr}: {v:.4f}"
+                for lr, v in sorted(by_lr.items(), key=lambda kv: float(kv[0]))
+            )
+            lrs = sorted(float(lr) for lr in by_lr)
+            edge = " (on the grid's edge: extend it)" if best in (lrs[0], lrs[-1]) else ""
+            lines.append(f"| {opt} | {cells} | {best:g}{edge} |")
+        lines.append("")
+    return lines
+
+
+def _method(root: Path) -> list[str]:
     """The two regimes and the longer one's budget, from the grids themselves."""
     cost = grids.grid_seconds(grids.LONG, grids.LONG_SECONDS_PER_STEP)
     total = sum(cost.values())
@@ -254,6 +300,7 @@ def _method() -> list[str]:
         )
         + ".",
         "",
+        *_sweeps(root),
     ]
 
 
@@ -281,6 +328,13 @@ SECTIONS: list[tuple[str, str, Callable[[], str], Callable[..., list[str]], Call
     ),
     ("paci", "PACI vs 1F1B-flush (paper B)", _paper_paci, verdict_paci, paci_analysis.paci_table),
     (
+        "delay-long",
+        "Longer regime, ~20 tokens per parameter: one-step delay vs optimizer (paper A)",
+        _paper_delay,
+        verdict_delay,
+        analysis.delay_table,
+    ),
+    (
         "error-feedback-long",
         "Longer regime, ~20 tokens per parameter: error feedback (paper A, Table 2)",
         _paper_ef,
@@ -297,6 +351,7 @@ SECTIONS: list[tuple[str, str, Callable[[], str], Callable[..., list[str]], Call
 ]
 # The command of each section, where it is not `nobubble experiment FOLDER`
 COMMANDS = {
+    "delay-long": "error-feedback --regime long",
     "error-feedback-long": "error-feedback --regime long",
     "paci-long": "paci --regime long",
 }
@@ -320,7 +375,7 @@ def write_report(root: Path, target: Path = Path("docs/results.md")) -> dict[str
         "2-core CPU machine).",
         "",
         *_rules(),
-        *_method(),
+        *_method(root),
     ]
     verdicts = {}
     for name, title, paper, verdict, table in SECTIONS:
@@ -368,7 +423,7 @@ def write_report(root: Path, target: Path = Path("docs/results.md")) -> dict[str
         ]
         for fig in summary.get("figures", []):
             dest = img / f"{name}-{fig}"
-            shutil.copyfile(root / name / fig, dest)
+            shutil.copyfile(root / _folder(name) / fig, dest)
             lines += [f"![{name} {fig}](img/results/{dest.name})", ""]
     discussion = target.parent / "results-discussion.md"
     if discussion.exists():  # hand-written reading of these runs and the follow-ups tried
