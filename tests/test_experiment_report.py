@@ -549,3 +549,10 @@ def test_the_code_version_covers_the_optimizer_librarys_version(monkeypatch):
         lambda name: "0.0.1" if name == "pytorch-optimizer" else real(name),
     )
     assert keys.code_version() != before
+
+
+def test_every_optimizer_has_a_colour_in_the_figures():
+    # a grid of SOAP runs once reached its summary and failed on a missing colour
+    from nobubble.optim import OPTIMIZERS
+
+    assert set(OPTIMIZERS) <= set(analysis.COLOURS)
