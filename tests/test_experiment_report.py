@@ -556,3 +556,14 @@ def test_every_optimizer_has_a_colour_in_the_figures():
     from nobubble.optim import OPTIMIZERS
 
     assert set(OPTIMIZERS) <= set(analysis.COLOURS)
+
+
+@pytest.mark.parametrize(
+    ("lams", "cell"),
+    [({"1.0": 0.1}, "not run"), ({"0.5": 0.2, "1.0": 0.1}, "0.5: +0.2000, 1.0: +0.1000")],
+)
+def test_the_ef_table_shows_a_lam_sweep_only_where_several_lams_ran(lams, cell):
+    ef = {"gap": _iv(0.1, 0.1, 0.1), "recovered": _iv(0.5, 0.5, 0.5)}
+    row = {"gap_none": _iv(0.2, 0.2, 0.2), "ef": ef, "lam_sweep_gap": lams, "lower_lr": None}
+    table = analysis.ef_table({"optimizers": {"adamw": row}})
+    assert table.splitlines()[-1].endswith(f"| {cell} |")

@@ -264,7 +264,9 @@ def ef_table(summary: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for opt, r in summary["optimizers"].items():
-        lam = ", ".join(f"{k}: {v:+.4f}" for k, v in r["lam_sweep_gap"].items()) or "not run"
+        # one lam (the main runs' 1.0) is no sweep: the longer regime runs none
+        sweep = r["lam_sweep_gap"] if len(r["lam_sweep_gap"]) > 1 else {}
+        lam = ", ".join(f"{k}: {v:+.4f}" for k, v in sweep.items()) or "not run"
         cells = [stats.fmt_interval(r["gap_none"])]
         for corr in CORRECTIONS:
             if corr not in r:  # not run in this regime
