@@ -56,7 +56,7 @@ def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> 
         best[opt] = min(scores, key=lambda lr: scores[lr])
         table[opt] = {str(k): v for k, v in sorted(scores.items())}
         grid = profile.lr_grid[opt]
-        if len(grid) > 1 and best[opt] in (min(grid), max(grid)):
+        if grids.on_grid_edge(best[opt], grid):
             log.warning(
                 "%s: the best lr %g is on the edge of its grid %s; extend the grid",
                 opt,

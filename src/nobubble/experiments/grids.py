@@ -14,6 +14,7 @@ carry none.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,11 @@ QUICK_LONG = Profile(
     paci_optimizers=LONG.paci_optimizers,
 )
 PROFILES = {"short": {False: FULL, True: QUICK}, "long": {False: LONG, True: QUICK_LONG}}
+
+
+def on_grid_edge(best: float, grid: Sequence[float]) -> bool:
+    """Whether a sweep's best lr is the smallest or largest of a grid of several (extend it)."""
+    return len(grid) > 1 and best in (min(grid), max(grid))
 
 
 def profile_for(regime: str, quick: bool) -> Profile:

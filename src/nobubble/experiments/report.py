@@ -265,8 +265,8 @@ def _sweeps(root: Path) -> list[str]:
                 f"**{lr}: {v:.4f}**" if float(lr) == best else f"{lr}: {v:.4f}"
                 for lr, v in sorted(by_lr.items(), key=lambda kv: float(kv[0]))
             )
-            lrs = sorted(float(lr) for lr in by_lr)
-            edge = " (on the grid's edge: extend it)" if best in (lrs[0], lrs[-1]) else ""
+            grid = [float(lr) for lr in by_lr]
+            edge = " (on the grid's edge: extend it)" if grids.on_grid_edge(best, grid) else ""
             lines.append(f"| {opt} | {cells} | {best:g}{edge} |")
         lines.append("")
     return lines
