@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 
@@ -120,6 +121,26 @@ def test_finished_runs_are_reused_not_redone(root):
     assert {p: p.stat().st_mtime for p in runs.glob("*/summary.json")} == stamps
 
 
+def test_a_grid_for_some_optimizers_reuses_their_runs_and_the_report_names_the_rest(root, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(root, out)
+    stamps = {p: p.stat().st_mtime for p in (out / "runs").glob("*/summary.json")}
+    argv = ["experiment", "depth", "--quick", "--seeds", "1", "--optimizers", "adamw"]
+    assert main([*argv, "--out", str(out), "--json"]) == 0
+    # every adamw run of the depth grid has the same key as in the full grid: nothing reran
+    assert {p: p.stat().st_mtime for p in (out / "runs").glob("*/summary.json")} == stamps
+    summary = json.loads((out / "depth" / "summary.json").read_text())
+    assert summary["optimizers_run"] == ["adamw"] and summary["left_out"] == ["muon"]
+    assert set(summary["gaps"]) == {"adamw"}
+    # the sweep still covers every optimizer: the other experiments' lrs are not narrowed
+    assert set(json.loads((out / "lr-sweep" / "lr.json").read_text())["best"]) == {"adamw", "muon"}
+    target = tmp_path / "results.md"
+    assert main(["experiment", "report", "--out", str(out), "--report-to", str(target)]) == 0
+    text = target.read_text()
+    assert "`nobubble experiment depth --seeds 1 --quick --optimizers adamw`" in text
+    assert "no verdict for muon: left out of this run of the grid" in text
+
+
 def test_report_collects_every_experiment(root, tmp_path):
     target = tmp_path / "results.md"
     assert main(["experiment", "report", "--out", str(root), "--report-to", str(target)]) == 0
@@ -143,9 +164,13 @@ def test_report_collects_every_experiment(root, tmp_path):
         (["paci", "--depths", "2"], "--depths is an option of the depth experiment"),
         (["depth", "--depths", "2,x"], "expected a comma list of stage counts"),
         (["depth", "--depths", "0"], "expected a comma list of stage counts"),
+        (["depth", "--optimizers", "sgd"], "sgd is not an optimizer of the full profile"),
+        (["depth", "--optimizers", "nadam,lion"], "the depth grid runs adamw,muon only"),
+        (["depth", "--optimizers", "adamw,adamw"], "distinct optimizer names"),
+        (["report", "--optimizers", "adamw"], "--optimizers is an option of the experiments"),
     ],
 )
-def test_bad_depths_fail_before_any_run(argv, message, tmp_path, capsys):
+def test_bad_depths_or_optimizers_fail_before_any_run(argv, message, tmp_path, capsys):
     try:  # argparse exits for a malformed value; the experiment returns 2 for a misplaced one
         code = main(["experiment", *argv, "--out", str(tmp_path / "x")])
     except SystemExit as exit_info:

@@ -20,6 +20,15 @@ def _depths(text: str) -> tuple[int, ...]:
     return depths
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(","))
+    if not all(names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of distinct optimizer names such as adamw,muon, got {text!r}"
+        )
+    return names
+
+
 def cmd_experiment(args: argparse.Namespace) -> int:
     from nobubble.experiments import run_experiment
 
@@ -33,6 +42,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         report_to=args.report_to,
         depths=args.depths,
         regime=args.regime,
+        optimizers=args.optimizers,
     )
     if args.json:
         print(json.dumps(summary, default=str))
@@ -153,6 +163,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="P,P,...",
         help="depth: pipeline depths to run (default 2,4,8; --quick 2,4)",
+    )
+    p.add_argument(
+        "--optimizers",
+        type=_names,
+        default=None,
+        metavar="NAME,NAME,...",
+        help="run the grid for these of the regime's optimizers only (the lr sweep still covers "
+        "all of them); the report names the ones left out",
     )
     p.add_argument(
         "--regime",

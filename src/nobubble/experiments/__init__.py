@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.experiments import analysis, depth_analysis, grids, paci_analysis
-from nobubble.experiments.runner import RunOutcome, run_grid
+from nobubble.experiments.runner import RunOutcome, RunSpec, run_grid
 from nobubble.experiments.stats import MIN_SEEDS
 from nobubble.optim.library import check_installed
 
@@ -77,6 +77,7 @@ def run_experiment(
     report_to: str = "docs/results.md",
     depths: tuple[int, ...] | None = None,
     regime: str = "short",
+    optimizers: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
@@ -89,11 +90,22 @@ def run_experiment(
     if seeds is not None and seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     root = Path(out) if out else default_root(quick)
+    if name == "report" and optimizers is not None:
+        raise ValueError("--optimizers is an option of the experiments, not of report")
     if name == "report":
         from nobubble.experiments.report import write_report
 
         return write_report(root, Path(report_to))
-    for opt in profile.optimizers:  # a missing optional library fails here, before any run
+    sweep_profile = profile  # the sweep covers every optimizer of the regime, whatever is asked
+    if optimizers is not None:
+        unknown = [o for o in optimizers if o not in profile.optimizers]
+        if unknown:
+            raise ValueError(
+                f"--optimizers {','.join(optimizers)}: {', '.join(unknown)} is not an optimizer "
+                f"of the {profile.name} profile; choose among {','.join(profile.optimizers)}"
+            )
+        profile = dataclasses.replace(profile, optimizers=optimizers)
+    for opt in sweep_profile.optimizers:  # a missing optional library fails here, before any run
         check_installed(opt)
     seeds = profile.seeds if seeds is None else seeds
     if seeds < MIN_SEEDS and not quick:  # the quick profile is a smoke test, not evidence
@@ -108,9 +120,22 @@ def run_experiment(
         if name != "depth":
             raise ValueError(f"--depths is an option of the depth experiment, not of {name}")
         profile = dataclasses.replace(profile, depths=depths)
+        sweep_profile = dataclasses.replace(sweep_profile, depths=depths)
     # build the grid once with placeholder lrs: a grid that cannot be built fails before the sweep
-    GRIDS[name](profile, {o: profile.lr_grid[o][0] for o in profile.optimizers}, seeds)
-    lrs = tuned_lrs(profile, root, jobs, progress)
+    placeholder = {o: sweep_profile.lr_grid[o][0] for o in sweep_profile.optimizers}
+    grid_optimizers = [
+        o
+        for o in sweep_profile.optimizers
+        if o in _optimizers_of(GRIDS[name](sweep_profile, placeholder, seeds))
+    ]
+    ran = _optimizers_of(GRIDS[name](profile, placeholder, seeds))
+    left_out = [o for o in grid_optimizers if o not in ran]
+    if optimizers is not None and len(left_out) == len(grid_optimizers):
+        raise ValueError(
+            f"--optimizers {','.join(optimizers)}: the {name} grid runs "
+            f"{','.join(grid_optimizers)} only; choose among them"
+        )
+    lrs = tuned_lrs(sweep_profile, root, jobs, progress)
     exp_dir = root / summary_folder(name, profile)
     exp_dir.mkdir(parents=True, exist_ok=True)
     outcomes = run_grid(
@@ -125,11 +150,17 @@ def run_experiment(
         base=profile.base,
         runs=len(outcomes),
         depths=list(profile.depths) if name == "depth" else None,
+        optimizers_run=list(profile.optimizers),
+        left_out=left_out,
         params=_params(outcomes),
     )
     summary["folder"] = str(exp_dir)
     analysis.write_summary(exp_dir, name, summary, TABLES[name](summary))
     return summary
+
+
+def _optimizers_of(specs: list[RunSpec]) -> set[str]:
+    return {str(s.labels.get("optimizer")) for s in specs}
 
 
 def summarize(

@@ -364,6 +364,22 @@ def _depths_flag(summary: dict[str, Any]) -> str:
     return f" --depths {','.join(map(str, depths))}" if depths and depths != default else ""
 
 
+def _optimizers_flag(summary: dict[str, Any]) -> str:
+    left_out = summary.get("left_out") or []
+    return f" --optimizers {','.join(summary['optimizers_run'])}" if left_out else ""
+
+
+def _left_out(summary: dict[str, Any]) -> list[str]:
+    """A verdict line for the optimizers of the grid that this summary's run left out."""
+    left_out = summary.get("left_out") or []
+    if not left_out:
+        return []
+    return [
+        f"no verdict for {', '.join(left_out)}: left out of this run of the grid "
+        f"(`--optimizers {','.join(summary['optimizers_run'])}`)"
+    ]
+
+
 def write_report(root: Path, target: Path = Path("docs/results.md")) -> dict[str, Any]:
     img = target.parent / "img" / "results"
     img.mkdir(parents=True, exist_ok=True)
@@ -403,12 +419,12 @@ def write_report(root: Path, target: Path = Path("docs/results.md")) -> dict[str
                 "",
             ]
             continue
-        parts = verdict(summary)
+        parts = verdict(summary) + _left_out(summary)
         verdicts[name] = "; ".join(parts)
         lines += [
             f"Command: `nobubble experiment {command} --seeds {summary['seeds']}"
             f"{PROFILE_FLAGS.get(summary['profile'], '')}"
-            f"{_depths_flag(summary)}` "
+            f"{_depths_flag(summary)}{_optimizers_flag(summary)}` "
             f"({summary['runs']} runs; models and tokens per run: {summary['params']}; "
             f"learning rates from the synchronous sweep: {summary['lrs']}).",
             "",
