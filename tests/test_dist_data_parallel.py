@@ -43,6 +43,9 @@ STAGES, REPLICAS, STEPS, EVERY = 2, 2, 10, 5
 DIST_TIMEOUT = 20.0
 RTOL = 1e-6  # losses
 RTOL_STATE = 1e-5  # gradient norms, weights and optimizer state (module docstring)
+# AdamW's second moment averages squared gradients, so its relative error is twice theirs (on
+# 2026-12-03's AVX2-only machine it read 1.3e-5 for 1e-5; earlier machines held 1e-5)
+SQUARED_STATE = ("exp_avg_sq",)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,8 @@ def assert_close(a, b, where: str, rtol: float = RTOL_STATE) -> None:
         for key in a:
             if key not in ("peak_saved", "peak_activation_bytes"):  # per replica: half the rows
                 tight = key in ("loss", "val_loss")
-                assert_close(a[key], b[key], f"{where}.{key}", RTOL if tight else rtol)
+                tol = RTOL if tight else 2 * rtol if key in SQUARED_STATE else rtol
+                assert_close(a[key], b[key], f"{where}.{key}", tol)
     elif isinstance(a, list | tuple):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
