@@ -33,7 +33,7 @@ import json, sys, torch
 case = json.loads(sys.argv[1])
 out = sys.argv[2]
 import problems
-problem = problems.PROBLEMS[case["problem"]]
+problem = problems.get(case["problem"])
 from _api_reference import run_pipeline
 pipe, losses, _ = run_pipeline(problem, case["schedule"], case["stages"], case["steps"],
                                case["drain"], runtime="dist", timeout=60, **case["options"])
@@ -52,12 +52,12 @@ stages, out, schedules = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 import problems
 from _api_reference import run_pipeline
 saved = {}
-for schedule in schedules:
+for schedule, transport in [(s, t) for s in schedules for t in ("strict", "eager")]:
     options = {"accum": 4} if schedule == "pipedream" else {}  # M=4 (pipedream's default a=1)
     pipe, losses, _ = run_pipeline(problems.PROBLEMS["seq"], schedule, stages, 4, 2, clip=0.5,
-                                   runtime="dist", timeout=60, runner_options={"strict": True},
-                                   **options)
-    saved[schedule] = {
+                                   runtime="dist", timeout=60,
+                                   runner_options={"strict": transport == "strict"}, **options)
+    saved[schedule, transport] = {
         "losses": losses,
         "weights": {n: p.detach().clone() for n, p in pipe.stages[pipe.rank].named_parameters()},
     }
@@ -119,12 +119,24 @@ PROBLEMS = {
     "tree": Problem(tree_model, lambda m, n: [m[0], m[1]], test_api.batch, test_api.loss_fn,
                     tree_forward),
 }
-try:
-    import test_hf
-    PROBLEMS["llama"] = test_hf.LLAMA
-    PROBLEMS["gpt2"] = test_hf.GPT2
-except Exception:  # transformers missing: the llama case skips
-    pass
+HF = ("llama", "gpt2")
+
+
+def get(name):
+    # transformers only where a case needs it: importing it costs seconds a process
+    if name in HF and name not in PROBLEMS:
+        import test_hf
+        PROBLEMS.update(llama=test_hf.LLAMA, gpt2=test_hf.GPT2)
+    return PROBLEMS[name]
+
+
+def available():
+    try:
+        for name in HF:
+            get(name)
+    except Exception:  # transformers missing: the HF cases skip
+        pass
+    return PROBLEMS
 """
 
 
@@ -132,7 +144,7 @@ def problems() -> dict:
     sys.path.insert(0, str(TESTS))
     namespace: dict = {}
     exec(PROBLEMS_MODULE, namespace)
-    return namespace["PROBLEMS"]
+    return namespace["available"]()
 
 
 def run_ranks(case: dict, out: Path) -> None:
@@ -209,11 +221,12 @@ def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, o
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_every_schedule_under_nccl_rules_equals_the_emulated_pipeline(stages, tmp_path):
+def test_every_schedule_under_either_transport_equals_the_emulated_pipeline(stages, tmp_path):
     """NCCL's rules enforced on gloo (one stream per rank, a batch starts when the previous one
     completed, tags ignored): an order NCCL would deadlock on hangs here and fails by the
     timeout. Every schedule, with clipping (global for the synchronous ones) and a drain point,
-    in one launch per P."""
+    under those rules and under gloo's eager posting (the production transport on gloo), in one
+    launch per P."""
     (tmp_path / "grid.py").write_text(GRID_SCRIPT)
     args = [str(tmp_path / "grid.py"), str(stages), str(tmp_path), json.dumps(SCHEDULES)]
     launch(tmp_path, stages, args)
@@ -225,12 +238,14 @@ def test_every_schedule_under_nccl_rules_equals_the_emulated_pipeline(stages, tm
         pipe, losses, _ = run_pipeline(
             available["seq"], schedule, stages, 4, 2, clip=0.5, **options
         )
-        assert parts[-1][schedule]["losses"] == losses, schedule
-        for rank, part in enumerate(parts):
-            ours = {n: p.detach() for n, p in pipe.stages[rank].named_parameters()}
-            theirs = part[schedule]["weights"]
-            assert theirs.keys() == ours.keys()
-            assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (schedule, rank)
+        for transport in ("strict", "eager"):
+            run = (schedule, transport)
+            assert parts[-1][run]["losses"] == losses, run
+            for rank, part in enumerate(parts):
+                ours = {n: p.detach() for n, p in pipe.stages[rank].named_parameters()}
+                theirs = part[run]["weights"]
+                assert theirs.keys() == ours.keys()
+                assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (run, rank)
 
 
 @pytest.mark.parametrize("transport", ["strict", "eager"])

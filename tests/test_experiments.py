@@ -6,14 +6,22 @@ docs/results.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from nobubble.cli import main
+from nobubble.core.errors import NobubbleError
+from nobubble.experiments import grids, runner
 
 pytestmark = pytest.mark.slow
 
@@ -178,3 +186,96 @@ def test_bad_depths_or_optimizers_fail_before_any_run(argv, message, tmp_path, c
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+MEASURED = ("elapsed_s", "utilization", "bubble_share", "steady_utilization", "tokens_per_s")
+
+
+def _computed(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if k not in MEASURED} for x in lines]
+
+
+def test_a_run_forked_by_the_runner_equals_a_separate_nobubble_train(tmp_path):
+    """The runner forks each run from a warm server; the reference is the same config given to
+    ``python -m nobubble train --config`` in a new interpreter: bitwise the same numbers."""
+    spec = runner.RunSpec(
+        "2bw-ef-muon",
+        {
+            "schedule": "2bw",
+            "correction": "ef",
+            "lr": 1e-2,
+            "optimizer": "muon",
+            "steps": 4,
+            "eval_every": 2,
+        },
+    )
+    outcome = runner.run_grid([spec], grids.QUICK.base, tmp_path / "runs", progress=False)
+    config = {**grids.QUICK.base, **spec.overrides, "progress": False, "out": str(tmp_path / "ref")}
+    (tmp_path / "ref.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "nobubble", "train", "--config", str(tmp_path / "ref.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    forked = outcome["2bw-ef-muon"].run_dir
+    assert [r["step"] for r in _computed(forked)] == [1, 2, 3, 4]
+    assert _computed(forked) == _computed(tmp_path / "ref")
+    assert "loading cached BPE tokenizer" in (forked.parent / f"{forked.name}.log").read_text()
+
+
+def test_a_failed_run_names_its_status_and_the_end_of_its_log(tmp_path):
+    (tmp_path / "empty.txt").write_text("")  # refused by the run itself, in its own process
+    spec = runner.RunSpec("bad", {"data": str(tmp_path / "empty.txt")})
+    with pytest.raises(NobubbleError, match=r"run bad-[0-9a-f]{8} failed \(status 2\)") as err:
+        runner.run_grid([spec], grids.QUICK.base, tmp_path / "runs", progress=False)
+    assert "is empty; give a file with text in it" in str(err.value)
+    assert not list((tmp_path / "runs").glob("*/summary.json"))
+
+
+GRID_SCRIPT = """
+import sys
+from pathlib import Path
+from nobubble.experiments import grids, runner
+spec = runner.RunSpec("endless", {"steps": 100_000, "eval_every": 50_000})
+runner.run_grid([spec], grids.QUICK.base, Path(sys.argv[1]), progress=False)
+"""
+
+
+def _holding(path) -> list[int]:
+    """Processes with ``path`` open (a run's process writes its log on stdout and stderr)."""
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                        holders.append(int(pid))
+                        break
+    return holders
+
+
+def test_a_grid_stopped_by_sigterm_stops_its_runs(tmp_path):
+    """SIGTERM to a grid (a scheduler's stop, `kill`): the run it had started gets Ctrl-C, stops
+    (resumable from its checkpoint) and leaves no process behind; the grid exits with 143."""
+    runs = tmp_path / "runs"
+    grid = subprocess.Popen([sys.executable, "-c", GRID_SCRIPT, str(runs)])
+    try:
+        deadline = time.monotonic() + 120
+        logs: list = []
+        while not logs or "optimizer routing" not in logs[0].read_text():  # training started
+            assert grid.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.05)
+            logs = list(runs.glob("endless-*.log"))
+        child = _holding(logs[0])
+        assert child, "no process writes the run's log"
+        grid.send_signal(signal.SIGTERM)
+        assert grid.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if grid.poll() is None:
+            grid.kill()
+    assert _holding(logs[0]) == [], "a run outlived its grid"
+    assert "interrupted" in logs[0].read_text()
+    assert not list(runs.glob("*/summary.json"))
