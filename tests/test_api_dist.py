@@ -1,8 +1,9 @@
 """``Pipeline(runtime="dist")``: real processes over gloo give the emulator's numbers.
 
-Each case starts one rank per stage; they build the same pipeline and feed the same batches
-(with a drain in the middle), then the test compares the last rank's losses and each rank's
-weights with the emulated pipeline of this process, bitwise: the runtime posts the same
+Each launch starts one rank per stage and runs the cases of its P one after the other; the ranks
+build the same pipeline and feed the same batches (with a drain in the middle), then each test
+compares the last rank's losses and each rank's weights with the emulated pipeline of this
+process, bitwise: the runtime posts the same
 arithmetic in the same order, and the only cross-rank reductions (the global gradient norm, the
 sum of tied gradients) add the stages' shares in stage order on every rank.
 """
@@ -30,19 +31,21 @@ SCHEDULES = ["gpipe", "1f1b", "pipedream", "2bw", "paci", "zb-h1"]
 
 RANK_SCRIPT = """
 import json, sys, torch
-case = json.loads(sys.argv[1])
-out = sys.argv[2]
+cases, out = json.loads(sys.argv[1]), sys.argv[2]
 import problems
-problem = problems.get(case["problem"])
 from _api_reference import run_pipeline
-pipe, losses, _ = run_pipeline(problem, case["schedule"], case["stages"], case["steps"],
-                               case["drain"], runtime="dist", timeout=60, **case["options"])
-rank = pipe.rank
-weights = {n: p.detach().clone() for n, p in pipe.stages[rank].named_parameters()}
-merged = pipe.merged_state_dict()
-val = pipe.evaluate(*problem.batch(99))
-torch.save({"losses": losses, "weights": weights, "merged": sorted(merged), "val": val},
-           f"{out}/rank{rank}.pt")
+saved = {}
+for case in cases:  # the cases of one P, one after the other in the same processes
+    problem = problems.get(case["problem"])
+    pipe, losses, _ = run_pipeline(problem, case["schedule"], case["stages"], case["steps"],
+                                   case["drain"], runtime="dist", timeout=60, **case["options"])
+    saved[case["id"]] = {
+        "losses": losses,
+        "weights": {n: p.detach().clone() for n, p in pipe.stages[pipe.rank].named_parameters()},
+        "merged": sorted(pipe.merged_state_dict()),
+        "val": pipe.evaluate(*problem.batch(99)),
+    }
+torch.save(saved, f"{out}/rank{pipe.rank}.pt")
 pipe.close()
 """
 
@@ -66,20 +69,21 @@ pipe.close()
 """
 
 # Several stages per rank: interleaved-1f1b (v=2) and zbv, P=2 and P=3, one launch per P; each
-# run under NCCL's rules, with global clipping and a drain point, then evaluated.
+# run under NCCL's rules and under eager posting, with global clipping and a drain point, then
+# evaluated.
 MULTI_STAGE = ["interleaved-1f1b", "zbv"]
 
 MULTI_STAGE_SCRIPT = """
 import json, sys, torch
 stages, out, schedules = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-strict = sys.argv[4] == "strict"
 import test_api_dist  # not problems.py: importing transformers would cost seconds a process
 from _api_reference import run_pipeline
 problem, saved = test_api_dist.DEEP, {}
-for schedule in schedules:
+for schedule, transport in [(s, t) for s in schedules for t in ("strict", "eager")]:
     pipe, losses, _ = run_pipeline(problem, schedule, 2 * stages, 4, 2, clip=0.5,
-                                   runtime="dist", timeout=60, runner_options={"strict": strict})
-    saved[schedule] = {
+                                   runtime="dist", timeout=60,
+                                   runner_options={"strict": transport == "strict"})
+    saved[schedule, transport] = {
         "losses": losses,
         "weights": {s: {n: p.detach().clone() for n, p in pipe.stages[s].named_parameters()}
                     for s in pipe.local},
@@ -147,11 +151,6 @@ def problems() -> dict:
     return namespace["available"]()
 
 
-def run_ranks(case: dict, out: Path) -> None:
-    (out / "rank.py").write_text(RANK_SCRIPT)
-    launch(out, case["stages"], [str(out / "rank.py"), json.dumps(case), str(out)])
-
-
 def launch(out: Path, world: int, args: list[str]) -> None:
     """``world`` ranks of ``python ARGS`` on this machine, one torch thread each."""
     (out / "problems.py").write_text(PROBLEMS_MODULE)
@@ -189,23 +188,48 @@ CASES = [
 ]
 
 
+def case_id(problem: str, schedule: str, options: dict) -> str:
+    return f"{problem}-{schedule}-{json.dumps(options, sort_keys=True)}"
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(P)``: each rank's results of every case at P, from one launch per P."""
+    runs: dict[int, list[dict]] = {}
+
+    def get(stages: int) -> list[dict]:
+        if stages not in runs:
+            out = tmp_path_factory.mktemp(f"cases-{stages}")
+            available = problems()
+            cases = [
+                {
+                    "id": case_id(problem, schedule, options),
+                    "problem": problem,
+                    "schedule": schedule,
+                    "stages": stages,
+                    "steps": STEPS,
+                    "drain": DRAIN,
+                    "options": options,
+                }
+                for problem, schedule, p, options in CASES
+                if p == stages and problem in available
+            ]
+            (out / "rank.py").write_text(RANK_SCRIPT)
+            launch(out, stages, [str(out / "rank.py"), json.dumps(cases), str(out)])
+            runs[stages] = [torch.load(out / f"rank{r}.pt") for r in range(stages)]
+        return runs[stages]
+
+    return get
+
+
 @pytest.mark.parametrize(("problem", "schedule", "stages", "options"), CASES, ids=lambda v: str(v))
-def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, options, tmp_path):
+def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, options, launched):
     available = problems()
     if problem not in available:
         pytest.skip("transformers is not installed")
-    case = {
-        "problem": problem,
-        "schedule": schedule,
-        "stages": stages,
-        "steps": STEPS,
-        "drain": DRAIN,
-        "options": options,
-    }
-    run_ranks(case, tmp_path)
+    parts = [part[case_id(problem, schedule, options)] for part in launched(stages)]
     torch.set_num_threads(1)
     pipe, losses, _ = run_pipeline(available[problem], schedule, stages, STEPS, DRAIN, **options)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(stages)]
     assert all(part["losses"] == [] for part in parts[:-1]) and parts[-1]["losses"] == losses
     for rank, part in enumerate(parts):
         ours = {n: p.detach() for n, p in pipe.stages[rank].named_parameters()}
@@ -248,9 +272,8 @@ def test_every_schedule_under_either_transport_equals_the_emulated_pipeline(stag
                 assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (run, rank)
 
 
-@pytest.mark.parametrize("transport", ["strict", "eager"])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_several_stages_per_rank_equal_the_emulated_pipeline(ranks, transport, tmp_path):
+def test_several_stages_per_rank_equal_the_emulated_pipeline(ranks, tmp_path):
     """interleaved-1f1b (v=2) and zbv: each rank runs 2 stages, posts its receives in the
     sender's order (some early, buffered until their consumer runs) and hands its own stages'
     activations over locally. Under NCCL's rules (strict) and under gloo's eager posting, the
@@ -260,7 +283,6 @@ def test_several_stages_per_rank_equal_the_emulated_pipeline(ranks, transport, t
     last stage: rank 0 under zbv's V) and the merged state are bitwise the emulator's."""
     (tmp_path / "multi.py").write_text(MULTI_STAGE_SCRIPT)
     args = [str(tmp_path / "multi.py"), str(ranks), str(tmp_path), json.dumps(MULTI_STAGE)]
-    args.append(transport)
     launch(tmp_path, ranks, args)
     torch.set_num_threads(1)
     problem = DEEP
@@ -269,16 +291,17 @@ def test_several_stages_per_rank_equal_the_emulated_pipeline(ranks, transport, t
         pipe, losses, _ = run_pipeline(problem, schedule, 2 * ranks, 4, 2, clip=0.5)
         last = pipe.schedule.placement.rank_of(2 * ranks - 1)
         assert last == (0 if schedule == "zbv" else ranks - 1)
-        for rank, part in enumerate(parts):
-            mine = part[schedule]
-            assert mine["losses"] == (losses if rank == last else []), (schedule, rank)
+        expected_val = pipe.evaluate(*problem.batch(99))
+        merged = pipe.merged_state_dict()
+        for rank, transport in itertools.product(range(ranks), ("strict", "eager")):
+            where = (schedule, transport, rank)
+            mine = parts[rank][schedule, transport]
+            assert mine["losses"] == (losses if rank == last else []), where
             assert sorted(mine["weights"]) == list(pipe.schedule.placement.stages_of(rank))
             for stage, theirs in mine["weights"].items():
                 ours = {n: p.detach() for n, p in pipe.stages[stage].named_parameters()}
                 assert theirs.keys() == ours.keys()
-                assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (schedule, stage)
-            expected = pipe.evaluate(*problem.batch(99)) if rank == last else None
-            assert mine["val"] == expected, (schedule, rank)
-            merged = pipe.merged_state_dict()
+                assert all(torch.equal(theirs[n], v) for n, v in ours.items()), (where, stage)
+            assert mine["val"] == (expected_val if rank == last else None), where
             assert mine["merged"].keys() == merged.keys()
-            assert all(torch.equal(mine["merged"][k], v) for k, v in merged.items())
+            assert all(torch.equal(mine["merged"][k], v) for k, v in merged.items()), where
