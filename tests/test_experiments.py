@@ -21,6 +21,7 @@ import pytest
 
 from nobubble.cli import main
 from nobubble.core.errors import NobubbleError
+from nobubble.data import fetch_shakespeare
 from nobubble.experiments import grids, runner
 
 pytestmark = pytest.mark.slow
@@ -279,3 +280,17 @@ def test_a_grid_stopped_by_sigterm_stops_its_runs(tmp_path):
     assert _holding(logs[0]) == [], "a run outlived its grid"
     assert "interrupted" in logs[0].read_text()
     assert not list(runs.glob("*/summary.json"))
+
+
+def test_a_forked_run_gets_the_environment_of_its_start_not_the_servers(tmp_path, monkeypatch):
+    """The fork server outlives a grid; a later grid's runs must see the environment as it is
+    then (here NOBUBBLE_CACHE, where the tokenizer goes), as a new process would."""
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text(fetch_shakespeare().read_text()[:100_000])
+    spec = runner.RunSpec("env", {"data": str(corpus), "steps": 2, "eval_every": 2})
+    runner.run_grid([spec], grids.QUICK.base, tmp_path / "first", progress=False)  # server up
+    monkeypatch.setenv("NOBUBBLE_CACHE", str(tmp_path / "cache"))
+    outcome = runner.run_grid([spec], grids.QUICK.base, tmp_path / "second", progress=False)
+    run_dir = outcome["env"].run_dir
+    log_text = (run_dir.parent / f"{run_dir.name}.log").read_text()
+    assert f"-> {tmp_path / 'cache'}" in log_text, log_text[-2000:]

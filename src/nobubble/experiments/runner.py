@@ -70,17 +70,28 @@ def run_key(spec: RunSpec, base: dict[str, Any], code: str | None = None) -> str
 
 
 # What the fork server imports once, so that each run's process starts with it in memory.
-PRELOAD = ["torch", "torch._dynamo", "nobubble.cli", "nobubble.cli.train_cmds", "nobubble.train"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "nobubble.cli",
+    "nobubble.cli.train_cmds",
+    "nobubble.train",
+    "nobubble.experiments.runner",  # the child runs its code as it was when the server started
+]
 
 
-def _train_child(config_file: str, log_file: str) -> None:
-    """In the forked process: ``nobubble train --config FILE``, its output in ``log_file``."""
+def _train_child(config_file: str, log_file: str, env: dict[str, str] | None = None) -> None:
+    """In the forked process: ``nobubble train --config FILE``, its output in ``log_file``, with
+    the caller's environment of now (the server's is that of its start)."""
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from nobubble.cli import main
 
@@ -95,11 +106,14 @@ def _train_child(config_file: str, log_file: str) -> None:
 def train_in_child(config_file: Path, log_file: Path) -> int:
     """Run ``nobubble train --config CONFIG_FILE`` in a process of its own; its exit status.
 
-    A killed run reports the negative signal number, as ``subprocess`` does.
+    A killed run reports the negative signal number, as ``subprocess`` does. The run gets the
+    current environment; what torch reads only when imported (``OMP_NUM_THREADS``, say) keeps
+    the value it had when the first run of this process started the server.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    child = context.Process(target=_train_child, args=(str(config_file), str(log_file)))
+    args = (str(config_file), str(log_file), dict(os.environ))
+    child = context.Process(target=_train_child, args=args)
     with _LOCK:
         child.start()
         _LIVE.add(child)
