@@ -57,7 +57,10 @@ def test_segment_speed_skips_the_segment_start_and_reads_the_drain_point_timelin
 
 @pytest.mark.slow
 def test_a_demo_in_two_rounds_trains_every_step_and_continues_where_it_stopped(tmp_path, capsys):
-    result = run_demo(tmp_path, steps=4, rounds=2, progress=False, schedules=("1f1b", "paci"))
+    # `tiny`: the mechanics, not the speed-up (and Muon's bf16 steps on `mini` are slow on CPUs
+    # without bf16 instructions)
+    demo = {"steps": 4, "rounds": 2, "progress": False, "schedules": ("1f1b", "paci")}
+    result = run_demo(tmp_path, **demo, model="tiny")
     for schedule in ("1f1b", "paci"):
         lines = (tmp_path / schedule / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
@@ -67,10 +70,10 @@ def test_a_demo_in_two_rounds_trains_every_step_and_continues_where_it_stopped(t
     assert result["speed"]["1f1b"]["vs_1f1b_rounds"] == [1.0, 1.0]
     assert "vs 1f1b per round" in format_demo(result)
     capsys.readouterr()
-    again = run_demo(tmp_path, steps=4, rounds=2, progress=False, schedules=("1f1b", "paci"))
+    again = run_demo(tmp_path, **demo, model="tiny")
     assert again["speed"] == result["speed"]  # every segment was there: nothing ran again
     with pytest.raises(ValueError, match="other settings"):  # refused before any run
-        run_demo(tmp_path, steps=6, rounds=2, progress=False, schedules=("1f1b", "paci"))
+        run_demo(tmp_path, **{**demo, "steps": 6}, model="tiny")
 
 
 def test_a_busy_machine_is_named_beside_the_ratios_it_skews():

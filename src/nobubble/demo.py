@@ -61,12 +61,15 @@ def demo_schedules() -> tuple[str, ...]:
     return (BASELINE, ASYNC) if best == BASELINE else (BASELINE, best, ASYNC)
 
 
-def demo_flags(steps: int, rounds: int) -> list[str]:
+DEMO_MODEL = "mini"
+
+
+def demo_flags(steps: int, rounds: int, model: str = DEMO_MODEL) -> list[str]:
     # `mini` with a 1024-token vocabulary: the blocks, not the head, carry the cost, so the two
     # stages are balanced and the bubble is the schedule's, not the partition's. Validation (a
     # drain point) only where a segment ends, so no segment times a validation inside it.
     flags = f"--runtime dist --stages {STAGES} --microbatches {MICROBATCHES} --optimizer muon"
-    flags += " --lr 1e-2 --model mini --vocab-size 1024 --sample-tokens 0"
+    flags += f" --lr 1e-2 --model {model} --vocab-size 1024 --sample-tokens 0"
     every = str(steps // rounds)
     return [
         *flags.split(),
@@ -161,14 +164,16 @@ def run_demo(
     rounds: int = 3,
     progress: bool = True,
     schedules: tuple[str, ...] | None = None,
+    model: str = DEMO_MODEL,
 ) -> dict[str, Any]:
     """Train every schedule (default: ``demo_schedules()``; 1f1b first) in ``rounds``
-    alternating segments under ``out``; return the summaries, per-round speeds and figure."""
+    alternating segments under ``out``; return the summaries, per-round speeds and figure.
+    ``model`` is a preset of ``nobubble train --model`` (the demo's is balanced on 2 stages)."""
     check_demo_args(steps, rounds)
     schedules = schedules or demo_schedules()
     if schedules[0] != BASELINE:
         raise ValueError(f"the demo's schedules start with {BASELINE}, got {schedules!r}")
-    flags, every = demo_flags(steps, rounds), steps // rounds
+    flags, every = demo_flags(steps, rounds, model), steps // rounds
     for schedule in schedules:  # before any run starts
         _check_earlier_run(out / schedule, [*flags, "--schedule", schedule, "--out", "x"])
     busy, began = machine_busy_s(), time.monotonic()  # None: not measurable here
