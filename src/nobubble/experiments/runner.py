@@ -8,10 +8,10 @@ gives a new key, so an old run is never taken for a new one. Runs marked ``exclu
 (wall-clock measurements) run alone, after the others.
 
 Each run is ``nobubble train --config FILE`` in a fresh process forked from a server that has
-imported torch and the trainer once (multiprocessing's forkserver): a run then starts in
-milliseconds instead of the ~2.5 s a new interpreter spends importing torch and torch._dynamo,
-which was most of a quick grid's time. Its numbers are those of a separate ``nobubble train``
-(tests/test_experiments.py checks it bitwise).
+imported torch and the trainer once (multiprocessing's forkserver): a run then starts without
+the ~2.5 s a new interpreter spends importing torch and torch._dynamo, which was most of a quick
+grid's time. ``ps`` shows such a run as ``multiprocessing.forkserver``. Its numbers are those of
+a separate ``nobubble train`` (tests/test_experiments.py checks it bitwise).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ PRELOAD = [
 ]
 
 
-def _train_child(config_file: str, log_file: str, env: dict[str, str] | None = None) -> None:
+def _train_child(config_file: str, log_file: str, env: dict[str, str]) -> None:
     """In the forked process: ``nobubble train --config FILE``, its output in ``log_file``, with
     the caller's environment of now (the server's is that of its start)."""
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -89,10 +89,8 @@ def _train_child(config_file: str, log_file: str, env: dict[str, str] | None = N
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.clear()
+    os.environ.update(env, TOKENIZERS_PARALLELISM="false")
     from nobubble.cli import main
 
     try:
