@@ -274,11 +274,14 @@ def paci_table(summary: dict[str, Any]) -> str:
     lines += arms_table(summary.get("arms") or {})
     m = summary.get("measured")
     if m:
+        seconds = {
+            k: "not reached" if v is None else f"{v:.1f}" for k, v in m["seconds_to_target"].items()
+        }
         lines += [
             "",
             "Measured on 2 real processes, one run each (a measurement, no verdict; model "
             f"{m['model']}, a=M=4): seconds to val loss {m['target']:.4f}: "
-            f"flush {m['seconds_to_target']['1f1b']}, paci {m['seconds_to_target']['paci']}"
+            f"flush {seconds['1f1b']}, paci {seconds['paci']}"
             f", speed-up {m['speedup'] if m['speedup'] is None else round(m['speedup'], 2)}"
             f" (ideal {m['ideal_speedup']:.2f}); tokens/s flush "
             f"{m['tokens_per_s']['1f1b']:.0f}, paci {m['tokens_per_s']['paci']:.0f}.",
