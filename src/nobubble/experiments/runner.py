@@ -11,7 +11,10 @@ Each run is ``nobubble train --config FILE`` in a fresh process forked from a se
 imported torch and the trainer once (multiprocessing's forkserver): a run then starts without
 the ~2.5 s a new interpreter spends importing torch and torch._dynamo, which was most of a quick
 grid's time. ``ps`` shows such a run as ``multiprocessing.forkserver``. Its numbers are those of
-a separate ``nobubble train`` (tests/test_experiments.py checks it bitwise).
+a separate ``nobubble train`` (tests/test_experiments.py checks it bitwise). As with any
+multiprocessing code, a script that calls ``run_grid`` needs ``if __name__ == "__main__":``
+around it: each run's process imports the script that started the server (``nobubble
+experiment`` and ``python -m`` are safe).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -116,9 +120,13 @@ def train_in_child(config_file: Path, log_file: Path) -> int:
         child.start()
         _LIVE.add(child)
     try:
-        child.join()
+        multiprocessing.connection.wait([child.sentinel])  # readable once it ended; reads nothing
     finally:
+        # Reading a forkserver child's exit status is not thread-safe: another thread's start()
+        # polls every live child, and two reads of one status leave one of them 255. Every read
+        # happens under the lock.
         with _LOCK:
+            child.join()
             _LIVE.discard(child)
     return int(child.exitcode if child.exitcode is not None else 1)
 
@@ -137,10 +145,12 @@ def stop_runs() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signal.SIGINT)
     deadline = time.monotonic() + STOP_GRACE_S
-    for child in children:
-        child.join(max(0.0, deadline - time.monotonic()))
-        if child.is_alive():
-            child.kill()
+    pending = {child.sentinel: child for child in children}
+    while pending and (left := deadline - time.monotonic()) > 0:
+        for ended in multiprocessing.connection.wait(list(pending), timeout=left):
+            pending.pop(ended)
+    for child in pending.values():
+        child.kill()  # a signal, no read of its status (the thread that started it reads it)
 
 
 @contextlib.contextmanager
