@@ -27,6 +27,7 @@ LAYERS = {
     "exec": 1,
     "pipeline": 3,  # the public API runs on the emulator (1) or the multi-process runner (2)
     "splitting": 1,
+    "host_memory": 0,  # glibc malloc settings through ctypes: no torch
     "hf": 1,
     "export": 3,
     "distributed": 3,

@@ -26,11 +26,13 @@ _EXPORTS = {
     "MicrobatchLoss": "nobubble.pipeline",
     "split": "nobubble.splitting",
     "SCHEDULE_NAMES": "nobubble.core.schedules",
+    "tune_host_allocator": "nobubble.host_memory",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from nobubble.core.schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
+    from nobubble.host_memory import tune_host_allocator as tune_host_allocator
     from nobubble.pipeline import MicrobatchLoss as MicrobatchLoss
     from nobubble.pipeline import Pipeline as Pipeline
     from nobubble.pipeline import StepResult as StepResult

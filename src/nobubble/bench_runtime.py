@@ -38,8 +38,15 @@ from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES
 from nobubble.distributed.torch_peer import TORCH_SCHEDULES, launch_peer, peer_config
+from nobubble.host_memory import ENV as MALLOC_ENV
 from nobubble.model import model_config, partition_layers, partition_rows
 
+# --allocator -> NOBUBBLE_MALLOC of (nobubble's ranks, torch's peers)
+ALLOCATORS = {
+    "as-shipped": ("tuned", "default"),
+    "tuned": ("tuned", "tuned"),
+    "default": ("default", "default"),
+}
 REFERENCES = ("1f1b", "torch-1f1b")  # the ratios' denominators, when they are benchmarked
 # nobubble schedule -> the torch schedule with the same per-rank order (vs_torch_twin)
 TORCH_TWINS = {
@@ -77,8 +84,14 @@ class RuntimeBench:
     optimizer: str = "adamw"
     synthetic: tuple[float, float] | None = None
     virtual_stages: int | None = None  # v of the interleaved variants (None: 2)
+    # glibc malloc in the ranks (nobubble.host_memory): "as-shipped" runs nobubble's ranks
+    # tuned and torch's peers with glibc's own thresholds, as each runs out of the box;
+    # "tuned" and "default" give both sides the same setting
+    allocator: str = "as-shipped"
 
     def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"--allocator {self.allocator!r}: use one of {', '.join(ALLOCATORS)}")
         if self.synthetic is not None:
             raise ValueError(
                 "synthetic mode runs through `nobubble bench runtime --synthetic` "
@@ -152,11 +165,13 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def run_nobubble(cfg: TrainConfig, out: Path, log: Path) -> dict[str, Any]:
-    """One ``nobubble train --runtime dist`` run; its figures from summary.json."""
+def run_nobubble(cfg: TrainConfig, out: Path, log: Path, malloc: str = "tuned") -> dict[str, Any]:
+    """One ``nobubble train --runtime dist`` run; its figures from summary.json. ``malloc``:
+    its ranks' ``NOBUBBLE_MALLOC``."""
     command = [sys.executable, "-m", "nobubble", "train", *train_argv(cfg), "--out", str(out)]
+    env = dict(os.environ, **{MALLOC_ENV: malloc})
     with log.open("ab") as sink:
-        code = subprocess.run(command, stdout=sink, stderr=sink).returncode
+        code = subprocess.run(command, stdout=sink, stderr=sink, env=env).returncode
     if code != 0:
         raise NobubbleError(f"{cfg.schedule} exited with status {code}:\n{_tail(log)}")
     summary = json.loads((out / "summary.json").read_text())
@@ -180,6 +195,7 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
             out / "result.json",
             cfg.stages,
             log,
+            malloc=ALLOCATORS[bench.allocator][1],
         )
     except NobubbleError as err:
         raise NobubbleError(f"{err}:\n{_tail(log)}") from None
@@ -218,6 +234,19 @@ def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dic
         twin = TORCH_TWINS.get(variant)
         out[variant]["vs_torch_twin"] = (
             out[variant]["tokens_per_s"] / out[twin]["tokens_per_s"] if twin in out else None
+        )
+        # paired by round (the two ran minutes apart): what the spread of the ratio reads
+        out[variant]["vs_torch_twin_rounds"] = (
+            [
+                a / b
+                for a, b in zip(
+                    out[variant]["tokens_per_s_rounds"],
+                    out[twin]["tokens_per_s_rounds"],
+                    strict=True,
+                )
+            ]
+            if twin in out
+            else None
         )
     cuts = sorted({bench.train_config(v).model_stages for v in bench.schedules})
     out["config"] = asdict(bench) | {
@@ -260,7 +289,8 @@ def bench_runtime(bench: RuntimeBench, progress: Callable[[str], None]) -> dict[
             if variant in TORCH_SCHEDULES:
                 figures = run_torch(bench, variant, out, log)
             else:
-                figures = run_nobubble(bench.train_config(variant), out, log)
+                malloc = ALLOCATORS[bench.allocator][0]
+                figures = run_nobubble(bench.train_config(variant), out, log, malloc)
             runs[variant].append(figures)
             progress(f"round {r + 1} {variant}: {figures['tokens_per_s']:,.0f} tok/s")
     shutil.rmtree(work)  # kept on failure: the error names the log

@@ -180,6 +180,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         threads=args.threads,
         synthetic=args.synthetic,
         virtual_stages=args.virtual_stages,
+        allocator=args.allocator,
     )
     bar = tqdm(total=cfg.rounds * len(cfg.schedules), disable=args.json, leave=False)
 
@@ -197,7 +198,8 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         f"model {cfg.model}, P={cfg.stages}, M={cfg.microbatches}, B={cfg.micro_batch_size}, "
         f"T={cfg.seq_len}, {conf['tokens_per_step']} tokens/step, {cfg.rounds} alternating "
         f"rounds x {cfg.steps} steps ({conf['warmup_steps']} warm-up), medians over rounds; "
-        f"load average {conf['load_average'][0]:.1f} before, {conf['load_average'][1]:.1f} after"
+        f"load average {conf['load_average'][0]:.1f} before, {conf['load_average'][1]:.1f} "
+        f"after; allocator {cfg.allocator}"
     )
     part = conf["partition"]
     print(
@@ -304,5 +306,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --synthetic: D replicas, each stage all-reducing --grad-mb per step",
     )
     q.add_argument("--grad-mb", type=float, default=4.0, help="with --data-parallel: MB")
+    q.add_argument(
+        "--allocator",
+        default="as-shipped",
+        choices=["as-shipped", "tuned", "default"],
+        help="glibc malloc in the ranks: as-shipped (nobubble tuned, torch's peers glibc's "
+        "defaults), or the same for both (docs/benchmarks.md, the host allocator)",
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_runtime)

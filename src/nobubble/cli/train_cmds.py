@@ -115,6 +115,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(outer: argparse.Namespace) -> int:
     args = build_train_parser().parse_args(outer.train_args)
     cfg = config_from_args(args)
+    from nobubble.host_memory import tune_host_allocator
+
+    tune_host_allocator()  # this process trains: keep freed memory between steps
     if cfg.runtime == "dist":  # layer 2, imported only when asked for
         if "RANK" in os.environ:  # one rank, started by torchrun or by our launcher
             from nobubble.distributed.runtime import run_rank

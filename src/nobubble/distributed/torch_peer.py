@@ -64,6 +64,7 @@ from nobubble.distributed.api import release_others
 from nobubble.distributed.launch import _watch, free_port, rank_env
 from nobubble.distributed.peer_stage import ActivationMeter, PeerStage, Span, TimedStage
 from nobubble.distributed.transport import shutdown
+from nobubble.host_memory import tune_host_allocator
 from nobubble.optim import (
     build_optimizer,
     clip_coefficient,
@@ -268,6 +269,8 @@ def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
     """Entry of one process: train ``cfg.steps`` steps; rank 0 writes ``result``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
+    # torch as its users run it: glibc's own thresholds, unless NOBUBBLE_MALLOC=tuned
+    tune_host_allocator(default="default")
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -292,9 +295,15 @@ def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
 
 
 def launch_peer(
-    train_argv: list[str], schedule: str, result: Path, stages: int, log: Path
+    train_argv: list[str],
+    schedule: str,
+    result: Path,
+    stages: int,
+    log: Path,
+    malloc: str = "default",
 ) -> dict[str, Any]:
     """Run the peer on ``stages`` local processes, output appended to ``log``; its result.
+    ``malloc``: the ranks' ``NOBUBBLE_MALLOC`` (glibc's own thresholds, or tuned).
 
     As ``nobubble train --runtime dist`` does: a free port, one process per rank, and when one
     fails the others are stopped (``launch._watch``).
@@ -304,7 +313,7 @@ def launch_peer(
     try:
         with log.open("ab") as sink:
             for rank in range(stages):
-                env = rank_env(rank, stages, port)
+                env = rank_env(rank, stages, port, NOBUBBLE_MALLOC=malloc)
                 command = [
                     sys.executable,
                     "-m",
