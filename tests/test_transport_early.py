@@ -10,15 +10,27 @@ gather or drain point, and NCCL's strict stream posts none early.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from nobubble.core.comm import COLLECTIVES, GATHER, RECV, check_communication, incoming
+from nobubble.core.comm import (
+    COLLECTIVES,
+    GATHER,
+    RECV,
+    SEND,
+    check_communication,
+    incoming,
+    outgoing,
+)
 from nobubble.core.ir import STEP
 from nobubble.core.schedules import build_schedule
 from nobubble.distributed import transport as tr
+from nobubble.distributed.launch import free_port, rank_env
 
 
 @dataclass
@@ -101,3 +113,108 @@ def test_without_lookahead_and_on_the_strict_stream_every_receive_is_where_the_p
     assert posted == planned
     monkeypatch.undo()
     assert tr.StrictTransport.recv_lookahead == 0
+
+
+class GlooWork:
+    """What gloo's ``Work`` does: ``is_completed`` stays False until ``wait`` is called."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def sends_held(monkeypatch, schedule, rank) -> tuple[list[int], int]:
+    """Run rank ``rank``'s order with gloo-like works; the sends in flight after each STEP, and
+    the most sends the rank's plan makes in one step."""
+    monkeypatch.setattr(tr.dist, "P2POp", Op)
+    monkeypatch.setattr(tr.dist, "batch_isend_irecv", lambda ops: [GlooWork() for _ in ops])
+    batches = check_communication(schedule, False, ())[rank]
+    transport = tr.DistTransport(batches, (2,), torch.float32, torch.device("cpu"), 99)
+    transport.num_stages = schedule.num_stages
+    held = []
+    for action in schedule.ranks[rank]:
+        transport.begin(action)
+        source = incoming(action, schedule.num_stages, schedule.placement)
+        if source is not None:
+            transport.recv(source.message, action.stage)
+        if action.kind == STEP:
+            held.append(len(transport.sending))
+        elif outgoing(action, schedule.num_stages, schedule.placement) is not None:
+            transport.send(action, torch.zeros(2), action.stage)
+    transport.flush()
+    m, steps = schedule.num_microbatches, len(held)
+    sends = [op for b in batches for op in b.ops if op.kind == SEND]
+    per_step = max(sum(op.message.number // m == j for op in sends) for j in range(steps))
+    return held, per_step
+
+
+@pytest.mark.parametrize(("name", "stages"), [("1f1b", 2), ("1f1b", 4), ("gpipe", 3), ("paci", 3)])
+def test_on_gloo_a_sent_tensor_is_let_go_by_the_next_receive_not_kept_to_the_drain_point(
+    monkeypatch, name, stages
+):
+    """gloo's sends report completion only once waited for, so a transport that only polls
+    them would keep every step's sent activations and gradients until the next drain point:
+    memory growing by a step's sends per step. Over 8 steps with no drain point, the sends held
+    after each step stay within one step's sends, on every rank."""
+    schedule = build_schedule(name, stages, 4, 8)
+    for rank in range(stages):
+        held, per_step = sends_held(monkeypatch, schedule, rank)
+        assert len(held) == 8
+        assert max(held) <= per_step, (name, rank, held)
+        assert max(held[2:]) <= max(held[:2]), (name, rank, held)  # not growing with the steps
+
+
+RANK_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from nobubble.core.comm import check_communication, incoming, outgoing
+from nobubble.core.ir import STEP
+from nobubble.core.schedules import build_schedule
+from nobubble.distributed.transport import DistTransport
+dist.init_process_group("gloo")
+rank, schedule = dist.get_rank(), build_schedule("1f1b", 2, 4, 8)
+batches = check_communication(schedule, False, ())[rank]
+transport = DistTransport(batches, (64, 64), torch.float32, torch.device("cpu"), 2, timeout_s=60)
+held, sent = [], 0
+for action in schedule.ranks[rank]:
+    transport.begin(action)
+    source = incoming(action, 2)
+    if source is not None:
+        got = transport.recv(source.message, action.stage)
+        assert float(got[0, 0]) == source.message.number, (action, float(got[0, 0]))
+    if action.kind == STEP:
+        held.append(len(transport.sending))
+    elif outgoing(action, 2) is not None:
+        transport.send(action, torch.full((64, 64), float(action.number)), action.stage)
+        sent += 1
+transport.flush()
+json.dump({"held": held, "sent": sent}, open(sys.argv[1] + f"/rank{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_on_real_gloo_the_sends_held_stay_within_a_step_over_many_steps(tmp_path):
+    """The same on two real gloo processes, the transport alone under 1f1b: every message
+    arrives with its own micro-batch's contents, and the sends held after each of 8 steps
+    stay within one step's (4), where polling alone held all of them (4 more per step)."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(tmp_path)],
+            env=rank_env(rank, 2, port),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["sent"] == 32
+        assert len(result["held"]) == 8 and max(result["held"]) <= 4, result

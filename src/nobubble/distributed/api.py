@@ -229,6 +229,7 @@ class TreeTransport(DistTransport):
         self.peer_of_last_wait = peer = self.placement.rank_of(producer.stage)
         handle.wait(self.timeout_s, f"the receive of {producer} from rank {peer}")
         self.peer_of_last_wait = None
+        self._received(producer)
         if producer.kind == F:
             return pytree.tree_unflatten(leaves, self.in_trees[dst_stage])
         return pack_grads(leaves)

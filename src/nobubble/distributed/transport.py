@@ -116,7 +116,10 @@ class DistTransport:
         self.position = start_position  # index (in the rank's order) of the next action
         self.outgoing: dict[Action, torch.Tensor] = {}  # handed over, waiting for its batch
         self.posted: dict[Action, tuple[Handle, torch.Tensor]] = {}  # receives in flight
-        self.sending: list[tuple[Handle, list[torch.Tensor], Action]] = []  # sends in flight
+        # sends in flight: (handle, tensors, message, destination rank, post number)
+        self.sending: list[tuple[Handle, list[torch.Tensor], Action, int, int]] = []
+        self.posts = 0  # batches launched so far (``_post``), numbering sends and receives
+        self.recv_post: dict[Action, int] = {}  # a receive in flight -> the post that launched it
         self.early: set[Action] = set()  # receives posted ahead of their batch (_post_early)
         # whether a message's micro-batch was fed (the runner of a Pipeline tells); a receive
         # is posted early only for one
@@ -206,10 +209,12 @@ class DistTransport:
                 p2p += [dist.P2POp(dist.irecv, t, self.ranks[op.peer], tag=0) for t in held]
             tensors.append(held)
         handle = self._launch(p2p)
+        self.posts += 1
         for op, held in zip(ops, tensors, strict=True):
             if op.kind == SEND:
-                self.sending.append((handle, held, op.message))
+                self.sending.append((handle, held, op.message, op.peer, self.posts))
             else:
+                self.recv_post[op.message] = self.posts
                 self._keep_received(op.message, handle, held)
         self._reap()
 
@@ -271,6 +276,30 @@ class DistTransport:
     def _reap(self) -> None:
         self.sending = [s for s in self.sending if not s[0].is_completed()]
 
+    def _received(self, message: Action) -> None:
+        """After the wait of ``message``'s receive: wait for the sends posted before it, and
+        let their tensors go.
+
+        gloo's ``Work.is_completed`` stays False until ``wait`` is called, so ``_reap`` alone
+        would keep every sent tensor (autograd's activation and gradient outputs) until the
+        next drain point: memory growing by a step's sends every step. Waiting here never
+        waits longer than NCCL's rules do: the plan puts those sends in batches at or before
+        the receive's, and on NCCL's one stream per rank a batch completes only after every
+        batch before it, so the receive just waited for implies them there; the plan is
+        checked to complete under those rules (``comm.check_communication``). A send is
+        thus held until the rank's next receive, at most about one step."""
+        post = self.recv_post.pop(message)
+        keep = []
+        for sent in self.sending:
+            handle, _, sent_message, peer, sent_post = sent
+            if sent_post > post:
+                keep.append(sent)
+                continue
+            self.peer_of_last_wait = peer
+            handle.wait(self.timeout_s, f"the send of {sent_message} to rank {peer}")
+        self.peer_of_last_wait = None
+        self.sending = keep
+
     # ----- the interpreter's side -------------------------------------------------------------
     def begin(self, action: Action) -> None:
         self._skip_drain()
@@ -286,6 +315,7 @@ class DistTransport:
         self.peer_of_last_wait = peer = rank_of(producer.stage, self.placement)
         handle.wait(self.timeout_s, f"the receive of {producer} from rank {peer}")
         self.peer_of_last_wait = None
+        self._received(producer)
         return buffer
 
     def contribute(self, step: int, stage: int, value: torch.Tensor) -> None:
@@ -333,8 +363,8 @@ class DistTransport:
         has posted every send by then, and the next receive waits for the next action)."""
         assert not self.outgoing, f"handed over but not posted: {sorted(self.outgoing)}"
         assert not self.early, f"posted early across a drain point: {sorted(self.early)}"
-        for handle, _, message in self.sending:
-            handle.wait(self.timeout_s, f"the send of {message}")
+        for handle, _, message, peer, _ in self.sending:
+            handle.wait(self.timeout_s, f"the send of {message} to rank {peer}")
         self.sending.clear()
 
 
