@@ -53,7 +53,8 @@ MAX_LEAVES = 1024  # evaluation tags: one per boundary leaf of a micro-batch
 @dataclass(frozen=True)
 class Mesh:
     """This process's place on the (dp, pp) device mesh: it is pipeline rank ``pp_rank`` of
-    replica ``dp_rank``; ``pp_ranks[r]`` is the global rank of pipeline rank r of its replica."""
+    replica ``dp_rank``; ``pp_ranks[r]`` is the global rank of pipeline rank r of its replica.
+    With one replica ``device_mesh`` is the 1-D ("pp",) mesh and ``dp_group`` None."""
 
     pp_rank: int
     dp_rank: int
@@ -98,6 +99,11 @@ def join(
     if world != world_needed:
         raise ValueError(_world_error(world, world_needed, how))
     device = next(stages[where.stages_of(dist.get_rank() % ranks)[0]].parameters()).device
+    if data_parallel == 1:  # one replica: no dp groups (each gloo group runs its own threads)
+        flat = init_device_mesh(device.type, (ranks,), mesh_dim_names=("pp",))
+        return Mesh(
+            flat.get_local_rank("pp"), 0, list(range(ranks)), flat.get_group("pp"), None, flat
+        )
     mesh = init_device_mesh(device.type, (data_parallel, ranks), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     pp_ranks = [int(r) for r in mesh.mesh[dp_rank].tolist()]
