@@ -303,3 +303,40 @@ def test_gradient_accumulation_adopts_fresh_tensors_and_copies_shared_ones() -> 
     expected = [2.5, 1.5, 3.5, 3.5, 4.5, 5.5]
     for p, value in zip(params, expected, strict=True):
         assert p.grad is not None and torch.equal(p.grad, torch.full((2, 3), value)), value
+
+
+@pytest.mark.parametrize(
+    ("name", "accum", "synchronous"),
+    [("gpipe", None, True), ("1f1b", None, True), ("2bw", None, False), ("paci", 2, False)],
+)
+def test_a_graph_is_built_on_the_parameters_only_when_no_step_can_reach_it(
+    name: str, accum: int | None, synchronous: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward whose stage takes no step before its gradient is done reads the module's own
+    parameters (no reparametrization per forward); one whose weights a step updates or
+    replaces in flight must read aliases, or the update would reach its saved graph."""
+    on_params: dict[tuple[int, int], bool] = {}
+    forward = StageWorker.forward
+
+    def recording(self: StageWorker, m: int, received: object) -> object:
+        out = forward(self, m, received)
+        own = dict(self.module.named_parameters())
+        leaves = self.saved[m].weights
+        on_params[self.stage, m] = all(leaves[n] is p for n, p in own.items())
+        return out
+
+    monkeypatch.setattr(StageWorker, "forward", recording)
+    run = emulate(name, 2, accum=accum, num_steps=3)
+    assert len(on_params) == 2 * run.schedule.total_microbatches
+    for st in run.ledger.stages:
+        for m in range(run.schedule.total_microbatches):
+            reached = (
+                st.applied_step[m] != st.fwd_current[m] + 1
+                or st.fwd_version[m] != (st.fwd_current[m])
+            )
+            if reached:
+                assert not on_params[st.stage, m], f"stage {st.stage} m{m}: a step reaches it"
+    if synchronous:
+        assert all(on_params.values()), on_params
+    else:
+        assert not all(on_params.values()), f"{name}: no micro-batch a step reaches"

@@ -117,7 +117,7 @@ class Saved:
     """What a forward keeps for its backward."""
 
     version: int
-    weights: dict[str, torch.Tensor]  # the alias leaves the graph was built on
+    weights: dict[str, torch.Tensor]  # the leaves the graph was built on (see _weights)
     inputs: Tree  # stage input: the batch's on stage 0, grad-requiring leaves elsewhere
     output: Tree | None  # None in recompute mode (the graph is rebuilt at backward)
     activation_bytes: int  # autograd's saved tensors (the stage input alone when recomputing)
@@ -127,7 +127,7 @@ class Saved:
 class Pending:
     """What a split backward's I leaves for its W."""
 
-    weights: list[torch.Tensor]  # the alias leaves the graph was built on
+    weights: list[torch.Tensor]  # the leaves the graph was built on (see _weights)
     work: WeightWork
     held: list[torch.Tensor]  # the output and input gradients, which W must not adopt
     activation_bytes: int
@@ -200,6 +200,7 @@ class StageWorker:
         self.batch_fn, self.lr_fn, self.clip_norm = batch_fn, lr_fn, clip_norm
         self.autocast_dtype, self.recompute = autocast_dtype, recompute
         self.named = list(module.named_parameters())
+        self.master: dict[str, torch.Tensor] = dict(self.named)
         if not self.named:
             raise ValueError(
                 f"stage {self.stage} has no parameters: a pipeline stage must own weights to "
@@ -252,11 +253,28 @@ class StageWorker:
     def _to_device(self, value: Tree) -> Tree:
         return moved(value, self.device)
 
-    def _run(self, version: int, inputs: Tree, m: int, record: bool = True) -> Tree:
-        weights = self.versions.get(version)
+    def _weights(self, m: int, version: int) -> dict[str, torch.Tensor]:
+        """The leaves micro-batch m's graph is built on: the master parameters themselves when
+        the forward reads the current version and the stage takes no step before m's gradient
+        is done (every micro-batch of a synchronous schedule), else the version's aliases."""
+        ledger = self.ledger
+        if (
+            version == self.versions.current
+            and ledger.fwd_current[m] == version
+            and ledger.applied_step[m] == version + 1
+        ):
+            return self.master
+        return self.versions.get(version)
+
+    def _run(
+        self, weights: dict[str, torch.Tensor], inputs: Tree, m: int, record: bool = True
+    ) -> Tree:
         args, kwargs = call_args(inputs)
         with self.autocast(), self._count_saved(weights):
-            out = functional_call(self.module, weights, args, kwargs)
+            if weights is self.master:  # the module's own parameters: no reparametrization
+                out = self.module(*args, **kwargs)
+            else:
+                out = functional_call(self.module, weights, args, kwargs)
             if not self.is_last:
                 return out
             targets = self._to_device(self.batch_fn(m)[1])
@@ -320,6 +338,7 @@ class StageWorker:
     def forward(self, m: int, received: Tree | None) -> Tree | None:
         """Run micro-batch m; return the activation to send on (None on the last stage)."""
         version = self.ledger.fwd_version[m]
+        weights = self._weights(m, version)
         if self.is_first:
             inputs = self._to_device(self.batch_fn(m)[0])
         else:
@@ -330,13 +349,13 @@ class StageWorker:
         self.in_spec = self._check_boundary(inputs, "input", m, self.in_spec)
         if self.recompute:  # keep only the stage input; the graph is rebuilt at backward
             with torch.no_grad():
-                out = self._run(version, inputs, m)
+                out = self._run(weights, inputs, m)
             saved_out = None
             nbytes = sum(t.numel() * t.element_size() for t in _tensors(inputs))
         else:
-            out = self._run(version, inputs, m)
+            out = self._run(weights, inputs, m)
             saved_out, nbytes = out, self._saved_bytes
-        self.saved[m] = Saved(version, self.versions.get(version), inputs, saved_out, nbytes)
+        self.saved[m] = Saved(version, weights, inputs, saved_out, nbytes)
         self._track_memory()
         self.versions.consumed(version)
         self.forwards += 1
@@ -372,8 +391,8 @@ class StageWorker:
         """The weights, outputs and output gradients micro-batch m's backward starts from."""
         version = self.ledger.bwd_version[m]
         if self.recompute:  # rebuild the graph with the weights current now (live weights)
-            weights = self.versions.get(version)
-            out = self._run(version, saved.inputs, m, record=False)
+            weights = self._weights(m, version)
+            out = self._run(weights, saved.inputs, m, record=False)
         else:
             # Stashed rules: the forward's aliases hold the stash. Live rules: the aliases share
             # the master's storage, so the saved graph reads the weights as updated since.
