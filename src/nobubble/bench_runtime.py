@@ -16,13 +16,16 @@ Reported per variant: tokens per second over the steady window (both sides skip 
 ``max(1, steps // 10)`` steps), the measured steady utilization per rank and bubble share
 (nobubble's compute spans; torch's schedules record none: null), the peak activation bytes per
 rank (autograd's saved tensors of the micro-batches in flight, measured the same way on both
-sides), and the ratio of each nobubble schedule to its torch twin when both ran.
+sides), and the ratio of each nobubble schedule to its torch twin when both ran: the ratio of
+the medians, and over the rounds, where each pair ran back to back, the per-round ratios'
+median, mean with a 95% interval, and the rounds won (``paired_ratios``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -208,6 +211,29 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
     }
 
 
+def paired_ratios(ratios: list[float], resamples: int = 10_000) -> dict[str, Any]:
+    """What the per-round ratios of a variant to its torch twin say beyond one ratio of medians.
+
+    On a shared machine the speed drifts between runs by more than two close engines differ,
+    so a ratio of medians over a few rounds lands either side of 1. Each round runs the pair
+    back to back, so its ratio sees one condition; over the rounds: their median, their mean
+    and a 95% interval for it (a percentile bootstrap, seeded, so the same rounds always give
+    the same interval), and the rounds in which the variant was faster.
+    """
+    if not ratios:
+        raise ValueError("paired_ratios needs at least one round")
+    n = len(ratios)
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(ratios, k=n)) for _ in range(resamples))
+    return {
+        "rounds": n,
+        "median": statistics.median(ratios),
+        "mean": statistics.fmean(ratios),
+        "mean_ci95": [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]],
+        "faster_rounds": sum(r > 1 for r in ratios),
+    }
+
+
 def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Medians over the rounds and the ratios to the reference schedules."""
     out: dict[str, Any] = {}
@@ -248,6 +274,8 @@ def summarize(bench: RuntimeBench, runs: dict[str, list[dict[str, Any]]]) -> dic
             if twin in out
             else None
         )
+        pairs = out[variant]["vs_torch_twin_rounds"]
+        out[variant]["vs_torch_twin_paired"] = paired_ratios(pairs) if pairs else None
     cuts = sorted({bench.train_config(v).model_stages for v in bench.schedules})
     out["config"] = asdict(bench) | {
         "tokens_per_step": bench.train_config(bench.schedules[0]).tokens_per_step,

@@ -164,7 +164,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         return bench_synthetic(args)
     from tqdm import tqdm
 
-    from nobubble.bench_runtime import RuntimeBench, bench_runtime
+    from nobubble.bench_runtime import TORCH_TWINS, RuntimeBench, bench_runtime
 
     cfg = RuntimeBench(
         model=args.model,
@@ -234,6 +234,16 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
             }
         )
     print_table(rows, list(rows[0]))
+    for variant in cfg.schedules:
+        paired = result[variant].get("vs_torch_twin_paired")
+        if paired is None:
+            continue
+        low, high = paired["mean_ci95"]
+        print(
+            f"{variant} / {TORCH_TWINS[variant]}, paired by round: median {paired['median']:.3f}, "
+            f"mean {paired['mean']:.3f} (95% interval {low:.3f}-{high:.3f}), faster in "
+            f"{paired['faster_rounds']} of {paired['rounds']} rounds"
+        )
     return 0
 
 

@@ -1,0 +1,60 @@
+"""``bench runtime``'s paired per-round ratios: the statistic its >= / within-x% claims rest on."""
+
+import statistics
+
+import pytest
+
+from nobubble.bench_runtime import RuntimeBench, paired_ratios, summarize
+
+
+def test_paired_ratios_of_equal_rounds_have_an_interval_of_that_ratio():
+    out = paired_ratios([1.04] * 7)
+    assert out["rounds"] == 7
+    assert out["median"] == out["mean"] == pytest.approx(1.04)
+    assert out["mean_ci95"] == [pytest.approx(1.04), pytest.approx(1.04)]
+    assert out["faster_rounds"] == 7
+
+
+def test_paired_ratios_interval_holds_the_mean_and_narrows_with_rounds():
+    few = [0.9, 1.1, 0.95, 1.05, 1.0, 1.12]
+    many = few * 8  # the same spread over 8x the rounds: the mean's interval about 1/sqrt(8)
+    a, b = paired_ratios(few), paired_ratios(many)
+    for out, rounds in ((a, few), (b, many)):
+        low, high = out["mean_ci95"]
+        assert min(rounds) <= low < statistics.fmean(rounds) < high <= max(rounds)
+    width_a, width_b = (o["mean_ci95"][1] - o["mean_ci95"][0] for o in (a, b))
+    assert width_b == pytest.approx(width_a / 8**0.5, rel=0.25)
+    assert a["faster_rounds"] == 3  # 1.0 is a tie, not a win
+    assert paired_ratios(few) == a  # seeded: the same rounds print the same interval
+
+
+def test_paired_ratios_refuse_no_rounds():
+    with pytest.raises(ValueError, match="at least one round"):
+        paired_ratios([])
+
+
+def test_summary_pairs_a_variant_with_its_torch_twin_round_by_round():
+    bench = RuntimeBench(model="tiny", rounds=3, schedules=("1f1b", "paci", "torch-1f1b"))
+
+    def run(tok):
+        return {
+            "tokens_per_s": tok,
+            "utilization": None,
+            "peak_activation_bytes": [1],
+            "last_loss": 1,
+        }
+
+    out = summarize(
+        bench,
+        {
+            "1f1b": [run(110.0), run(90.0), run(100.0)],
+            "paci": [run(120.0), run(120.0), run(120.0)],
+            "torch-1f1b": [run(100.0), run(100.0), run(80.0)],
+        },
+    )
+    assert out["1f1b"]["vs_torch_twin_rounds"] == pytest.approx([1.1, 0.9, 1.25])
+    paired = out["1f1b"]["vs_torch_twin_paired"]
+    assert paired["median"] == pytest.approx(1.1)
+    assert paired["faster_rounds"] == 2
+    assert out["1f1b"]["vs_torch_twin"] == pytest.approx(1.0)  # 100 / 100: the medians'
+    assert out["paci"]["vs_torch_twin_paired"] is None  # no twin
