@@ -15,6 +15,10 @@ def test_paired_ratios_of_equal_rounds_have_an_interval_of_that_ratio():
     assert out["faster_rounds"] == 7
 
 
+# two-sided 95% Student-t critical values (tables): df 5 and 47
+T_95 = {5: 2.5706, 47: 2.0117}
+
+
 def test_paired_ratios_interval_holds_the_mean_and_narrows_with_rounds():
     few = [0.9, 1.1, 0.95, 1.05, 1.0, 1.12]
     many = few * 8  # the same spread over 8x the rounds: the mean's interval about 1/sqrt(8)
@@ -22,10 +26,21 @@ def test_paired_ratios_interval_holds_the_mean_and_narrows_with_rounds():
     for out, rounds in ((a, few), (b, many)):
         low, high = out["mean_ci95"]
         assert min(rounds) <= low < statistics.fmean(rounds) < high <= max(rounds)
+        # the closed form: mean +- t(n - 1) sd / sqrt(n)
+        half = T_95[len(rounds) - 1] * statistics.stdev(rounds) / len(rounds) ** 0.5
+        assert (high - low) / 2 == pytest.approx(half, rel=1e-4)
     width_a, width_b = (o["mean_ci95"][1] - o["mean_ci95"][0] for o in (a, b))
-    assert width_b == pytest.approx(width_a / 8**0.5, rel=0.25)
+    # 8x the rounds: 1/sqrt(8) of the width, times the ratio of t's and of the sds (40/47)
+    shrink = T_95[47] / T_95[5] * (40 / 47) ** 0.5 / 8**0.5
+    assert width_b == pytest.approx(width_a * shrink, rel=1e-4)
     assert a["faster_rounds"] == 3  # 1.0 is a tie, not a win
-    assert paired_ratios(few) == a  # seeded: the same rounds print the same interval
+    assert paired_ratios(few) == a  # the same rounds print the same interval
+
+
+def test_one_round_has_a_mean_but_no_interval():
+    out = paired_ratios([0.97])
+    assert out["mean"] == out["median"] == pytest.approx(0.97)
+    assert out["mean_ci95"] is None
 
 
 def test_paired_ratios_refuse_no_rounds():

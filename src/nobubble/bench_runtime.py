@@ -18,14 +18,13 @@ Reported per variant: tokens per second over the steady window (both sides skip 
 rank (autograd's saved tensors of the micro-batches in flight, measured the same way on both
 sides), and the ratio of each nobubble schedule to its torch twin when both ran: the ratio of
 the medians, and over the rounds, where each pair ran back to back, the per-round ratios'
-median, mean with a 95% interval, and the rounds won (``paired_ratios``).
+median, mean with its 95% Student-t interval, and the rounds won (``paired_ratios``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ from nobubble.config import TrainConfig
 from nobubble.core.errors import NobubbleError
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES
 from nobubble.distributed.torch_peer import TORCH_SCHEDULES, launch_peer, peer_config
+from nobubble.experiments.stats import interval
 from nobubble.host_memory import ENV as MALLOC_ENV
 from nobubble.model import model_config, partition_layers, partition_rows
 
@@ -211,25 +211,24 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
     }
 
 
-def paired_ratios(ratios: list[float], resamples: int = 10_000) -> dict[str, Any]:
+def paired_ratios(ratios: list[float]) -> dict[str, Any]:
     """What the per-round ratios of a variant to its torch twin say beyond one ratio of medians.
 
     On a shared machine the speed drifts between runs by more than two close engines differ,
     so a ratio of medians over a few rounds lands either side of 1. Each round runs the pair
     back to back, so its ratio sees one condition; over the rounds: their median, their mean
-    and a 95% interval for it (a percentile bootstrap, seeded, so the same rounds always give
-    the same interval), and the rounds in which the variant was faster.
+    with the report's two-sided Student-t interval (``experiments.stats.interval``, the rounds
+    in place of seeds; no bounds below two rounds), and the rounds in which the variant was
+    faster.
     """
     if not ratios:
         raise ValueError("paired_ratios needs at least one round")
-    n = len(ratios)
-    rng = random.Random(0)
-    means = sorted(statistics.fmean(rng.choices(ratios, k=n)) for _ in range(resamples))
+    iv = interval(dict(enumerate(ratios)))
     return {
-        "rounds": n,
+        "rounds": iv["n"],
         "median": statistics.median(ratios),
-        "mean": statistics.fmean(ratios),
-        "mean_ci95": [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]],
+        "mean": iv["mean"],
+        "mean_ci95": None if iv["lo"] is None else [iv["lo"], iv["hi"]],
         "faster_rounds": sum(r > 1 for r in ratios),
     }
 

@@ -238,10 +238,11 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         paired = result[variant].get("vs_torch_twin_paired")
         if paired is None:
             continue
-        low, high = paired["mean_ci95"]
+        ci = paired["mean_ci95"]
+        spread = f" (95% interval {ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
         print(
             f"{variant} / {TORCH_TWINS[variant]}, paired by round: median {paired['median']:.3f}, "
-            f"mean {paired['mean']:.3f} (95% interval {low:.3f}-{high:.3f}), faster in "
+            f"mean {paired['mean']:.3f}{spread}, faster in "
             f"{paired['faster_rounds']} of {paired['rounds']} rounds"
         )
     return 0
