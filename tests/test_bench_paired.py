@@ -73,3 +73,32 @@ def test_summary_pairs_a_variant_with_its_torch_twin_round_by_round():
     assert paired["faster_rounds"] == 2
     assert out["1f1b"]["vs_torch_twin"] == pytest.approx(1.0)  # 100 / 100: the medians'
     assert out["paci"]["vs_torch_twin_paired"] is None  # no twin
+
+
+def test_rounds_run_the_variants_in_alternating_order(monkeypatch, tmp_path):
+    """Every other round reverses the order, so neither side of a pair always runs first."""
+    import nobubble.bench_runtime as br
+
+    ran: list[str] = []
+
+    def fake(variant):
+        ran.append(variant)
+        return {
+            "tokens_per_s": 100.0,
+            "utilization": None,
+            "bubble": None,
+            "peak_activation_bytes": [1],
+            "last_loss": 1.0,
+        }
+
+    monkeypatch.setattr(br, "load_data", lambda cfg: None)
+    monkeypatch.setattr(br, "run_nobubble", lambda cfg, out, log, malloc: fake(cfg.schedule))
+    monkeypatch.setattr(br, "run_torch", lambda bench, variant, out, log: fake(variant))
+    monkeypatch.setattr(br.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
+    (tmp_path / "work").mkdir()
+    bench = RuntimeBench(model="tiny", rounds=4, schedules=("1f1b", "paci", "torch-1f1b"))
+    out = br.bench_runtime(bench, lambda line: None)
+    forward, backward = ["1f1b", "paci", "torch-1f1b"], ["torch-1f1b", "paci", "1f1b"]
+    assert ran == forward + backward + forward + backward
+    # each variant's rounds stay in round order: the pairs are still taken round by round
+    assert out["1f1b"]["vs_torch_twin_rounds"] == [1.0] * 4

@@ -10,7 +10,9 @@ GPipe, 1F1B, ZB-H1, interleaved 1F1B, interleaved zero-bubble, ZBV) through
 (nobubble's interleaved-1f1b and zbv, torch's interleaved and ZBV) cut the model into v·P
 stages, v = ``virtual_stages`` for the interleaved ones (default 2) and 2 for the V ones, and
 each torch schedule is cut as its nobubble twin. Rounds alternate the variants, so every ratio
-comes from the same conditions; each figure is the median over the rounds.
+comes from the same conditions, and every other round runs them in reverse order
+(``round_order``), so that neither side always runs first after the other's run (a page cache
+warmed, a machine drifting within a round); each figure is the median over the rounds.
 
 Reported per variant: tokens per second over the steady window (both sides skip the first
 ``max(1, steps // 10)`` steps), the measured steady utilization per rank and bubble share
@@ -30,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -304,14 +306,23 @@ def partition_balance(bench: RuntimeBench, num_stages: int) -> dict[str, Any]:
     return {"layers": [row["layers"] for row in rows], "balance": min(costs) / max(costs)}
 
 
+def round_order(schedules: Sequence[str], r: int) -> list[str]:
+    """The variants in the order round ``r`` (from 0) runs them: as given in even rounds,
+    reversed in odd ones. Over two rounds each variant runs once before and once after each
+    other one, so a cost that falls on whichever runs first (or second) in a round cancels
+    from the paired ratios instead of biasing them toward one side."""
+    return list(schedules) if r % 2 == 0 else list(reversed(schedules))
+
+
 def bench_runtime(bench: RuntimeBench, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Run every variant ``bench.rounds`` times, alternating; ``progress`` after each run."""
+    """Run every variant ``bench.rounds`` times, alternating, in ``round_order``;
+    ``progress`` after each run."""
     load_data(bench.train_config(bench.schedules[0]))  # fill the data cache before any rank
     load = [os.getloadavg()[0]]  # other work on the machine skews every figure: report it
     work = Path(tempfile.mkdtemp(prefix="nobubble-bench-runtime-"))
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in bench.schedules}
     for r in range(bench.rounds):
-        for variant in bench.schedules:
+        for variant in round_order(bench.schedules, r):
             out, log = work / f"{variant}-{r}", work / f"{variant}-{r}.log"
             if variant in TORCH_SCHEDULES:
                 figures = run_torch(bench, variant, out, log)
