@@ -11,8 +11,8 @@ GPipe, 1F1B, ZB-H1, interleaved 1F1B, interleaved zero-bubble, ZBV) through
 stages, v = ``virtual_stages`` for the interleaved ones (default 2) and 2 for the V ones, and
 each torch schedule is cut as its nobubble twin. Rounds alternate the variants, so every ratio
 comes from the same conditions, and every other round runs them in reverse order
-(``round_order``), so that neither side always runs first after the other's run (a page cache
-warmed, a machine drifting within a round); each figure is the median over the rounds.
+(``round_order``), so that no variant always runs first (after a quiet spell, before a page
+cache is warm, early in a drift within the round); each figure is the median over the rounds.
 
 Reported per variant: tokens per second over the steady window (both sides skip the first
 ``max(1, steps // 10)`` steps), the measured steady utilization per rank and bubble share
