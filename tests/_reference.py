@@ -293,3 +293,110 @@ class LiveWeightsLoop(_StageLoop):
         counters = [p._version for p in params]
         self.step(s, number)
         _unsafe_restore_versions(params, counters)
+
+
+# ----- delay corrections (issue 34), written out from docs/semantics.md ----------------------
+def batch_delay(ledger: Ledger, s: int, number: int, num_microbatches: int) -> float:
+    """Stage s's delay at step ``number``: the mean ledger delay of the batch it applies."""
+    delays = ledger.stages[s].delay[(number - 1) * num_microbatches : number * num_microbatches]
+    return sum(delays) / len(delays)
+
+
+class CorrectedLoop(_StageLoop):
+    """PipeDream, 2BW and PACI under a correction, every version kept as a deep copy.
+
+    Stashed schedules run F and B of a micro-batch on the copy of its version; PACI
+    (``live``) runs them on the master module itself, whose in-place steps hide from autograd
+    as in LiveWeightsLoop, so a crossed backward reads the updated weights.
+    - ``predict``: a micro-batch whose forward reads version v >= 1 and whose gradient is
+      applied tau = ledger delay > 0 versions later runs F and B on a copy holding
+      w_v + tau * (w_v - w_{v-1}), under every schedule;
+    - ``ef_lam``: after each step, x += lam * tau * (d_t - d_{t-1}) from the third step on, d the
+      raw displacement, tau the stage's mean delay over the batch the step applies;
+    - ``delay_lr``: step k's lr times (1 + tau) ** -(1 - k / delay_lr) while k < delay_lr.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        ledger: Ledger,
+        optimizer: str = "adamw",
+        *,
+        predict: bool = False,
+        ef_lam: float | None = None,
+        delay_lr: int | None = None,
+    ) -> None:
+        super().__init__(schedule, ledger, optimizer)
+        self.predict, self.ef_lam, self.delay_lr = predict, ef_lam, delay_lr
+        self.live = schedule.backward_rule == "current"
+        self.copies = [[copy.deepcopy(master)] for master in self.stages]  # [s][version]
+        self.saved: dict[tuple[int, int], tuple[nn.Module, torch.Tensor, torch.Tensor]] = {}
+        self.prev: list[list[torch.Tensor] | None] = [None] * schedule.num_stages
+        self.predicted = 0  # micro-batches that ran on a prediction
+
+    def _module(self, s: int, m: int) -> nn.Module:
+        ledger = self.ledger.stages[s]
+        v, tau = ledger.fwd_version[m], ledger.delay[m]
+        if not (self.predict and v >= 1 and tau > 0):
+            return self.stages[s] if self.live else self.copies[s][v]
+        module = copy.deepcopy(self.copies[s][v])
+        with torch.no_grad():
+            for p, w, w_prev in zip(
+                module.parameters(),
+                self.copies[s][v].parameters(),
+                self.copies[s][v - 1].parameters(),
+                strict=True,
+            ):
+                p.copy_(torch.add(w, w - w_prev, alpha=tau))
+        self.predicted += 1
+        return module
+
+    def forward(self, s: int, m: int) -> None:
+        module = self._module(s, m)
+        inputs = self.stage_input(s, m)
+        out = self.run_stage(module, s, m, inputs)
+        self.saved[(s, m)] = (module, inputs, out)
+        self.send_forward(s, m, out)
+
+    def backward(self, s: int, m: int) -> None:
+        module, inputs, out = self.saved.pop((s, m))
+        out.backward(self.grad_output(s, m))
+        with torch.no_grad():
+            for p, q in zip(self.stages[s].parameters(), module.parameters(), strict=True):
+                if q is p:  # the master itself: the gradient is in place already
+                    continue
+                assert q.grad is not None
+                p.grad = q.grad if p.grad is None else p.grad + q.grad
+                q.grad = None
+        self.send_backward(s, m, inputs)
+
+    def on_step(self, s: int, number: int) -> None:
+        assert number == self.steps[s] + 1
+        params = list(self.stages[s].parameters())
+        counters = [p._version for p in params]
+        self._corrected_step(s, number)
+        if self.live:
+            _unsafe_restore_versions(params, counters)
+        self.copies[s].append(copy.deepcopy(self.stages[s]))
+
+    def _corrected_step(self, s: int, number: int) -> None:
+        tau = batch_delay(self.ledger, s, number, self.schedule.num_microbatches)
+        opt, params = self.opts[s], list(self.stages[s].parameters())
+        lr = lr_at(number - 1, self.schedule.num_steps, self.ocfg)
+        if self.delay_lr is not None:
+            exponent = max(0.0, 1.0 - (number - 1) / self.delay_lr)
+            lr *= (1.0 + tau) ** -exponent
+        opt.set_lr(lr)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if self.ef_lam is not None:
+            with torch.no_grad():
+                d = [p - b for p, b in zip(params, before, strict=True)]
+                if number >= 3 and tau != 0:
+                    prev = self.prev[s]
+                    assert prev is not None
+                    for p, d_t, d_prev in zip(params, d, prev, strict=True):
+                        p.add_(d_t - d_prev, alpha=self.ef_lam * tau)
+                self.prev[s] = d
+        self.steps[s] += 1

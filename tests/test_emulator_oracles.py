@@ -12,7 +12,7 @@ Tiny model, fp32 CPU; the tolerance is 1e-6 relative (the runs are in fact bitwi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -73,17 +73,19 @@ def emulate(
     global_clip: bool = False,
     recompute: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    correction: Callable[[], DelayCorrection] | None = None,
 ) -> EmuRun:
-    """Run ``name`` through the emulator on the tiny model of _reference (same seed, data)."""
+    """Run ``name`` through the emulator on the tiny model of _reference (same seed, data);
+    ``correction`` makes each stage's delay correction (default: EF with ``ef_lam``, or none)."""
     ocfg = optim_config(optimizer)
     stages = split_model(build_model(CFG, SEED), num_stages)
     schedule = build_schedule(name, num_stages, num_microbatches, num_steps, accum=accum)
     validate(schedule)
     ledger = build_ledger(schedule)
     opts = [build_optimizer(ocfg, list(s.named_parameters())) for s in stages]
-    corrections: list[DelayCorrection] = [
-        NoCorrection() if ef_lam is None else ErrorFeedback(ef_lam) for _ in stages
-    ]
+    if correction is None:
+        correction = NoCorrection if ef_lam is None else (lambda: ErrorFeedback(ef_lam))
+    corrections = [correction() for _ in stages]
     workers = build_workers(
         schedule,
         ledger,

@@ -32,10 +32,9 @@ from nobubble.model import (
 )
 from nobubble.optim import (
     DelayCorrection,
-    ErrorFeedback,
-    NoCorrection,
     build_optimizer,
     lr_at,
+    make_correction,
 )
 from nobubble.pipeline import Pipeline
 
@@ -171,8 +170,8 @@ def make_stages(plan: Plan) -> list[StageModule]:
     return split_model(model, plan.schedule.num_stages, plan.layer_ranges)
 
 
-def make_correction(cfg: TrainConfig) -> DelayCorrection:
-    return ErrorFeedback(cfg.ef_lambda) if cfg.correction == "ef" else NoCorrection()
+def stage_correction(cfg: TrainConfig) -> DelayCorrection:
+    return make_correction(cfg.correction, cfg.ef_lambda, cfg.delay_lr_span or 1)
 
 
 def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate") -> Pipeline:
@@ -194,6 +193,7 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate")
         clip_scope="global" if cfg.global_clip else "stage",
         correction=cfg.correction,
         ef_lambda=cfg.ef_lambda,
+        delay_lr_steps=cfg.delay_lr_span,
         sync_warmup=cfg.sync_warmup_steps,
         dtype=cfg.dtype,
         recompute=cfg.paci_recompute,
@@ -222,7 +222,7 @@ def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker
         plan.schedule,
         plan.ledger.stages[module.stage],
         optimizer,
-        make_correction(cfg),
+        stage_correction(cfg),
         batch_fn,
         lr_fn,
         clip_norm=optim_cfg.clip_norm,

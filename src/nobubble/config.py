@@ -30,9 +30,8 @@ from nobubble.data import DataConfig
 from nobubble.hf import check_installed, config_layers
 from nobubble.model import MODEL_PRESETS, model_config
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
-from nobubble.optim import OPTIMIZERS, OptimConfig
+from nobubble.optim import CORRECTIONS, OPTIMIZERS, OptimConfig
 
-CORRECTIONS = ("none", "ef", "sync-warmup")
 DTYPES = ("fp32", "bf16")
 CLIP_SCOPES = ("auto", "stage", "global")
 RUNTIMES = ("emulate", "dist")
@@ -106,6 +105,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     correction: str = "none"
     ef_lambda: float = 1.0
+    delay_lr_steps: int = 0
     sync_warmup: int = 0
     stages: int = 2
     virtual_stages: int | None = None
@@ -174,6 +174,7 @@ class TrainConfig:
             _positive(name, getattr(self, name))
         for name in (
             "sync_warmup",
+            "delay_lr_steps",
             "checkpoint_every",
             "seed",
             "sample_tokens",
@@ -274,6 +275,11 @@ class TrainConfig:
             )
         if self.sync_warmup >= self.steps:
             raise ValueError(f"--sync-warmup {self.sync_warmup} must be below --steps {self.steps}")
+        if self.delay_lr_steps and self.correction != "delay-lr":
+            raise ValueError(
+                f"--delay-lr-steps {self.delay_lr_steps} applies to --correction delay-lr only, "
+                f"not {self.correction}: drop it or use --correction delay-lr"
+            )
 
     def _check_memory(self) -> None:
         """Refuse a run whose estimated peak memory exceeds MEMORY_SHARE of this machine's."""
@@ -372,6 +378,13 @@ class TrainConfig:
     def num_microbatches(self) -> int:
         """M per optimizer step as the schedule reads it (``a`` for pipedream and paci)."""
         return resolve_microbatches(self.schedule, self.microbatches, self.accum)
+
+    @property
+    def delay_lr_span(self) -> int | None:
+        """The steps over which --correction delay-lr's damping fades (0: a quarter of --steps)."""
+        if self.correction != "delay-lr":
+            return None
+        return self.delay_lr_steps or max(1, self.steps // 4)
 
     @property
     def sync_warmup_steps(self) -> int:

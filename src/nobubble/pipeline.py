@@ -39,18 +39,17 @@ from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interp
 from nobubble.exec.tree import Tree
 from nobubble.exec.worker import Tie
 from nobubble.optim import (
-    DelayCorrection,
-    ErrorFeedback,
-    NoCorrection,
+    CORRECTIONS,
+    DelayAwareLR,
     OptimConfig,
     StageOptimizer,
     build_optimizer,
+    make_correction,
 )
 from nobubble.optim.config import OPTIMIZERS
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
-CORRECTIONS = ("none", "ef", "sync-warmup")
 RUNTIMES = ("emulate", "dist")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 FIRST_HORIZON = 16  # steps the schedule is first generated for (and at least ahead of the feed)
@@ -175,8 +174,12 @@ class Pipeline:
             whole model's norm, over all stages together), "stage" (each stage's own), or
             "auto": global for the synchronous schedules, per stage for the asynchronous ones,
             whose stages do not step together.
-        correction: "none", "ef" (error feedback with ``ef_lambda``) or "sync-warmup" (the first
-            ``sync_warmup`` steps flushed).
+        correction: a delay correction of the asynchronous schedules (docs/semantics.md):
+            "none"; "ef" (error feedback with ``ef_lambda``, scaled by each stage's delay);
+            "predict" (delayed forwards read their version extrapolated along its last update
+            by the delay); "delay-lr" (each stage's lr damped by (1 + delay) ** -(1 - k /
+            ``delay_lr_steps``) over the first ``delay_lr_steps`` steps); or "sync-warmup" (the
+            first ``sync_warmup`` steps flushed).
         dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
         recompute: paci only: keep the stage input and recompute the forward at backward.
         runtime: "emulate" runs every stage in this process; "dist" runs rank r's stages in
@@ -212,6 +215,7 @@ class Pipeline:
         clip_scope: str = "auto",
         correction: str = "none",
         ef_lambda: float = 1.0,
+        delay_lr_steps: int | None = None,
         sync_warmup: int = 0,
         dtype: str = "fp32",
         recompute: bool = False,
@@ -259,6 +263,13 @@ class Pipeline:
                 f"correction='sync-warmup' needs sync_warmup >= 1 steps, got {sync_warmup!r}"
             )
         self.sync_warmup = sync_warmup if correction == "sync-warmup" else 0
+        if correction == "delay-lr":
+            DelayAwareLR(delay_lr_steps)  # type: ignore[arg-type]  # refuses a bad value now
+        elif delay_lr_steps is not None:
+            raise ValueError(
+                f"delay_lr_steps={delay_lr_steps!r} applies to correction='delay-lr' only, not "
+                f"{correction!r}: drop it or use correction='delay-lr'"
+            )
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is unknown: use one of {tuple(DTYPES)}")
         if recompute and schedule != "paci":
@@ -356,9 +367,7 @@ class Pipeline:
                     ocfg, named, adamw_names=_adamw_matrices(module), require_muon=False
                 )
                 lr_fn = _scaled(lr, lr_schedule)
-            correction_s: DelayCorrection = (
-                ErrorFeedback(ef_lambda) if correction == "ef" else NoCorrection()
-            )
+            correction_s = make_correction(correction, ef_lambda, delay_lr_steps or 1)
             self.workers.append(
                 StageWorker(
                     module,

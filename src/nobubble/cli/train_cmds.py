@@ -16,8 +16,11 @@ HELP = {
     "model": "a preset (tiny, mini, small, medium, ...) or hf:PATH, a Hugging Face model folder "
     "or config.json (Llama family, GPT-2)",
     "untie_embeddings": "train a tied Hugging Face head as its own parameter (async schedules)",
-    "correction": "none | ef (update-level error feedback) | sync-warmup",
+    "correction": "none | ef (error feedback, scaled by each stage's delay) | predict (delayed "
+    "forwards read weights extrapolated by their delay) | delay-lr (per-stage lr warm-up by "
+    "delay) | sync-warmup",
     "ef_lambda": "error-feedback lambda (default 1)",
+    "delay_lr_steps": "steps over which --correction delay-lr's damping fades (0: --steps/4)",
     "sync_warmup": "synchronous steps first with --correction sync-warmup (0: 10%% of --steps)",
     "virtual_stages": "stages per rank v of interleaved-1f1b (default 2; zbv: 2)",
     "accum": "accumulation factor a of pipedream (default 1) and paci (default --microbatches)",

@@ -208,7 +208,7 @@ class StageWorker:
             )
         # the stage's declared device: inputs, state and buffers must all live there
         self.device = self.named[0][1].device
-        self.versions = WeightVersions(self.named, schedule, ledger)
+        self.versions = WeightVersions(self.named, schedule, ledger, predict=correction.predicts)
         self.saved: dict[int, Saved] = {}
         self.pending: dict[int, Pending] = {}  # split backward: I ran, W not yet
         self.backwards_in_batch = 0
@@ -236,7 +236,9 @@ class StageWorker:
         if fresh:
             assert not self.saved and self.backwards_in_batch == 0, "a new segment mid-batch"
             peak = self.versions.peak_live  # the most over the whole run, segments included
-            self.versions = WeightVersions(self.named, schedule, ledger)
+            self.versions = WeightVersions(
+                self.named, schedule, ledger, predict=self.correction.predicts
+            )
             self.versions.peak_live = peak
             self.forwards = 0
         else:
@@ -253,18 +255,21 @@ class StageWorker:
     def _to_device(self, value: Tree) -> Tree:
         return moved(value, self.device)
 
-    def _weights(self, m: int, version: int) -> dict[str, torch.Tensor]:
-        """The leaves micro-batch m's graph is built on: the master parameters themselves when
-        the forward reads the current version and the stage takes no step before m's gradient
-        is done (every micro-batch of a synchronous schedule), else the version's aliases."""
-        ledger = self.ledger
+    def _weights(self, m: int, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """The leaves micro-batch m's graph is built on, ``key`` = (version, tau) being the
+        weights it reads (tau > 0: a prediction, ``exec.versions``): the master parameters
+        themselves when the forward reads the current version and the stage takes no step
+        before m's gradient is done (every micro-batch of a synchronous schedule), else the
+        version's aliases or the prediction's own tensors."""
+        ledger, (version, tau) = self.ledger, key
         if (
-            version == self.versions.current
+            tau == 0
+            and version == self.versions.current
             and ledger.fwd_current[m] == version
             and ledger.applied_step[m] == version + 1
         ):
             return self.master
-        return self.versions.get(version)
+        return self.versions.get(key)
 
     def _run(
         self, weights: dict[str, torch.Tensor], inputs: Tree, m: int, record: bool = True
@@ -338,7 +343,8 @@ class StageWorker:
     def forward(self, m: int, received: Tree | None) -> Tree | None:
         """Run micro-batch m; return the activation to send on (None on the last stage)."""
         version = self.ledger.fwd_version[m]
-        weights = self._weights(m, version)
+        key = self.versions.key(m)
+        weights = self._weights(m, key)
         if self.is_first:
             inputs = self._to_device(self.batch_fn(m)[0])
         else:
@@ -357,7 +363,7 @@ class StageWorker:
             saved_out, nbytes = out, self._saved_bytes
         self.saved[m] = Saved(version, weights, inputs, saved_out, nbytes)
         self._track_memory()
-        self.versions.consumed(version)
+        self.versions.consumed(key)
         self.forwards += 1
         if self.is_last:
             return None
@@ -391,7 +397,7 @@ class StageWorker:
         """The weights, outputs and output gradients micro-batch m's backward starts from."""
         version = self.ledger.bwd_version[m]
         if self.recompute:  # rebuild the graph with the weights current now (live weights)
-            weights = self._weights(m, version)
+            weights = self._weights(m, (version, 0))
             out = self._run(weights, saved.inputs, m, record=False)
         else:
             # Stashed rules: the forward's aliases hold the stash. Live rules: the aliases share
@@ -479,8 +485,8 @@ class StageWorker:
             self.reducer.launch_rest(m // self.schedule.num_microbatches + 1)
 
     def _backward_done(self, m: int) -> None:
-        if self.schedule.backward_rule == "stashed":
-            self.versions.consumed(self.ledger.bwd_version[m])
+        if self.schedule.backward_rule == "stashed":  # it read what its forward read
+            self.versions.consumed(self.versions.key(m))
 
     def pop_losses(self, micro_batches: Iterable[int]) -> list[float]:
         """The losses of ``micro_batches`` as floats (one host sync for all of them)."""
@@ -589,10 +595,26 @@ class StageWorker:
         self.grad_norms[step] = norm
         if self.clip_norm is not None:
             scale_grads_(params, clip_coefficient(norm, self.clip_norm))
-        if self.lr_fn is not None:  # None: the optimizer's own learning rate, untouched
-            self.optimizer.set_lr(self.lr_fn(step - 1))
+        delay = self.batch_delay(step)
+        factor = self.correction.lr_factor(step - 1, delay)
+        if self.lr_fn is not None:
+            self.optimizer.set_lr(self.lr_fn(step - 1) * factor)
+        elif self.correction.scales_lr:  # a user's optimizer (lr_fn None): scale its own lr
+            self.optimizer.set_lr(factor)
+        # prediction: the weights before the update, from which the new version's predictions
+        # are extrapolated (a transient copy, only when the ledger says they will be read)
+        due = self.versions.predictions_due()
+        previous = [p.detach().clone() for p in params] if due else None
         self.versions.before_update()
-        self.correction.apply(params, self.optimizer.step)
+        self.correction.apply(params, self.optimizer.step, delay)
         self.optimizer.zero_grad(set_to_none=True)
-        self.versions.after_update()
+        self.versions.after_update(previous)
         self.backwards_in_batch = 0
+
+    def batch_delay(self, step: int) -> float:
+        """The stage's delay at step ``step``: the mean, over the micro-batches of the batch it
+        applies, of the versions between the one each forward read and the one its gradient
+        is applied to (the ledger's ``delay``; 1 for 2BW, the crossed share for PACI)."""
+        m = self.schedule.num_microbatches
+        delays = self.ledger.delay[(step - 1) * m : step * m]
+        return sum(delays) / len(delays)

@@ -1,5 +1,6 @@
 """Optimizers of one pipeline stage: config, routing to Muon/AdamW, update rules, the learning-rate
-schedule, clipping helpers and update-level delay corrections (error feedback)."""
+schedule, clipping helpers and delay corrections (error feedback, weight prediction, delay-aware
+learning rate)."""
 
 from nobubble.optim.build import StageOptimizer, build_optimizer
 from nobubble.optim.clip import (
@@ -10,7 +11,15 @@ from nobubble.optim.clip import (
     sum_over_stages,
 )
 from nobubble.optim.config import DEFAULT_BETAS, OPTIMIZERS, OptimConfig
-from nobubble.optim.correction import DelayCorrection, ErrorFeedback, NoCorrection
+from nobubble.optim.correction import (
+    CORRECTIONS,
+    DelayAwareLR,
+    DelayCorrection,
+    ErrorFeedback,
+    NoCorrection,
+    WeightPrediction,
+    make_correction,
+)
 from nobubble.optim.lion import Lion, lion_update
 from nobubble.optim.lr import lr_at, warmup_steps
 from nobubble.optim.routing import (
@@ -22,8 +31,10 @@ from nobubble.optim.routing import (
 )
 
 __all__ = [
+    "CORRECTIONS",
     "DEFAULT_BETAS",
     "OPTIMIZERS",
+    "DelayAwareLR",
     "DelayCorrection",
     "ErrorFeedback",
     "GroupCount",
@@ -32,12 +43,14 @@ __all__ = [
     "OptimConfig",
     "Routing",
     "StageOptimizer",
+    "WeightPrediction",
     "build_optimizer",
     "clip_coefficient",
     "grad_sq_norm",
     "grads_finite",
     "lion_update",
     "lr_at",
+    "make_correction",
     "muon_group",
     "route_parameters",
     "scale_grads_",
