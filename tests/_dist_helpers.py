@@ -26,7 +26,7 @@ RANK_VARIABLES = (
     "NOBUBBLE_LAUNCHED",
 )
 # Keys of a metrics record that are measured (wall clock), not computed: they differ run to run.
-MEASURED = ("elapsed_s", "utilization", "bubble_share")
+MEASURED = ("elapsed_s", "train_s", "utilization", "bubble_share")
 # Entries of a checkpoint part that are measurements of the process, not training state.
 PART_MEASUREMENTS = ("peak_saved", "peak_activation_bytes")
 

@@ -189,7 +189,14 @@ def test_bad_depths_or_optimizers_fail_before_any_run(argv, message, tmp_path, c
     assert not (tmp_path / "x").exists()
 
 
-MEASURED = ("elapsed_s", "utilization", "bubble_share", "steady_utilization", "tokens_per_s")
+MEASURED = (
+    "elapsed_s",
+    "train_s",
+    "utilization",
+    "bubble_share",
+    "steady_utilization",
+    "tokens_per_s",
+)
 
 
 def _computed(run_dir):

@@ -44,6 +44,8 @@ LAYERS = {
     "experiments": 3,
     "bench_runtime": 3,
     "demo": 3,
+    "segments": 3,
+    "time_to_target": 3,
     "study": 3,
     "bench": 3,
     "cli": 3,

@@ -5,13 +5,14 @@ model, data, micro-batches, optimizer and seed: ``1f1b``, the synchronous schedu
 smallest simulated bubble that the runtime trains (``zbv`` at P=2), and ``paci``.
 
 Speed on a shared machine moves by tens of percent from one minute to the next, so a single
-run of each schedule can flip a ratio. The demo therefore trains in rounds: each run is cut
-into ``rounds`` segments at its own drain points (``--stop-at``, then ``--resume``; resuming
-continues with the numbers of the uninterrupted run that has the same drain points), and
+run of each schedule can flip a ratio. The demo therefore trains in rounds
+(``nobubble.segments``): each run is cut into ``rounds`` segments at its own drain points, and
 round r runs segment r of every schedule back to back, in an order that rotates each round.
 Each ratio is taken within a round, where both runs met the same conditions, and the demo
 reports the median over rounds with every round's value. The losses are those of the whole
-run, which the segments do not change.
+run, which the segments do not change. Each run evaluates EVALS_PER_ROUND times per round, and
+the demo reports each schedule's time to 1f1b's final validation loss on the training clock
+(``nobubble.time_to_target``).
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from nobubble.core.errors import NobubbleError
 from nobubble.core.ir import Action
 from nobubble.core.schedules import DIST_TRAINABLE, SCHEDULES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 from nobubble.core.viz import save_gantt
+from nobubble.segments import check_segments, read_records, run_alternating, segment_figures
+from nobubble.time_to_target import crossing, final_val, val_curve
 
 STAGES, MICROBATCHES = 2, 4
 BASELINE, ASYNC = "1f1b", "paci"
@@ -62,85 +62,36 @@ def demo_schedules() -> tuple[str, ...]:
 
 
 DEMO_MODEL = "mini"
+# Validations per round (segment): where the time to 1f1b's final loss is interpolated. Each
+# costs the asynchronous schedules a drain, which stays on their training clock.
+EVALS_PER_ROUND = 5
+
+
+def eval_every(steps: int, rounds: int) -> int:
+    """Steps between validations: a fifth of a round, or the round where it does not divide."""
+    segment = steps // rounds
+    return segment // EVALS_PER_ROUND if segment % EVALS_PER_ROUND == 0 else segment
 
 
 def demo_flags(steps: int, rounds: int, model: str = DEMO_MODEL) -> list[str]:
     # `mini` with a 1024-token vocabulary: the blocks, not the head, carry the cost, so the two
-    # stages are balanced and the bubble is the schedule's, not the partition's. Validation (a
-    # drain point) only where a segment ends, so no segment times a validation inside it.
+    # stages are balanced and the bubble is the schedule's, not the partition's.
     flags = f"--runtime dist --stages {STAGES} --microbatches {MICROBATCHES} --optimizer muon"
     flags += f" --lr 1e-2 --model {model} --vocab-size 1024 --sample-tokens 0"
-    every = str(steps // rounds)
     return [
         *flags.split(),
         "--steps",
         str(steps),
         "--eval-every",
-        every,
+        str(eval_every(steps, rounds)),
         "--checkpoint-every",
-        every,
+        str(steps // rounds),
     ]
 
 
 def check_demo_args(steps: int, rounds: int) -> None:
     """Refuse a demo that cannot be cut into equal segments, before any run starts."""
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"--rounds must be an integer >= 1, got {rounds!r}")
-    if not isinstance(steps, int) or steps < 2 * rounds or steps % rounds:
-        raise ValueError(
-            f"--steps {steps!r} must be a multiple of --rounds {rounds} with at least 2 steps "
-            f"per round (the first step of each segment is warm-up): e.g. --steps {50 * rounds}"
-        )
-
-
-def segment_figures(records: list[dict[str, Any]], start: int, end: int) -> dict[str, Any]:
-    """Tokens/s over steps start+2 .. end (the segment's first step, after a process start,
-    is warm-up), and the utilization measured between the drain points start and end."""
-    by_step = {r["step"]: r for r in records}
-    first, last = by_step[start + 1], by_step[end]
-    seconds = last["elapsed_s"] - first["elapsed_s"]
-    return {
-        "tokens_per_s": (last["tokens"] - first["tokens"]) / seconds,
-        "utilization": last["utilization"],
-        "bubble_share": last["bubble_share"],
-    }
-
-
-def _read_records(run_dir: Path) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
-
-
-def _check_earlier_run(run_dir: Path, flags: list[str]) -> None:
-    """A run folder from an earlier demo is continued only if it has this demo's settings."""
-    from nobubble.cli.train_cmds import build_train_parser, config_from_args
-    from nobubble.config import TrainConfig
-
-    if not (run_dir / "config.json").exists():
-        return
-    wanted = config_from_args(build_train_parser().parse_args(flags)).fingerprint()
-    saved = TrainConfig.from_mapping(TrainConfig.load(run_dir / "config.json")["config"])
-    if saved.fingerprint() != wanted:
-        raise ValueError(
-            f"{run_dir} holds a run with other settings than this demo's (another --steps, "
-            "--rounds or version): remove it, or give the demo another --out"
-        )
-
-
-def _run_segment(run_dir: Path, flags: list[str], stop: int, steps: int, progress: bool) -> None:
-    command = [sys.executable, "-m", "nobubble", "train"]
-    if (run_dir / "config.json").exists():
-        command += ["--resume", str(run_dir)]  # the saved settings, from the last checkpoint
-    else:
-        command += [*flags, "--out", str(run_dir)]
-    if stop < steps:
-        command += ["--stop-at", str(stop)]
-    if not progress:
-        command.append("--no-progress")
-    # the runs report on stderr (file descriptor 2, whatever sys.stderr is now): stdout carries
-    # only the demo's own table or JSON
-    if subprocess.run(command, stdout=2).returncode != 0:
-        raise NobubbleError(f"the demo run in {run_dir} failed; see the messages above")
+    check_segments(steps, rounds)
 
 
 def _compute_lanes(trace: Path, window_s: float) -> list[list[tuple[Action, float, float]]]:
@@ -174,36 +125,30 @@ def run_demo(
     if schedules[0] != BASELINE:
         raise ValueError(f"the demo's schedules start with {BASELINE}, got {schedules!r}")
     flags, every = demo_flags(steps, rounds, model), steps // rounds
-    for schedule in schedules:  # before any run starts
-        _check_earlier_run(out / schedule, [*flags, "--schedule", schedule, "--out", "x"])
+    runs = {schedule: [*flags, "--schedule", schedule] for schedule in schedules}
     busy, began = machine_busy_s(), time.monotonic()  # None: not measurable here
     ours = children_cpu_s() if busy is not None else 0.0
-    for r in range(rounds):
-        order = schedules[r % len(schedules) :] + schedules[: r % len(schedules)]
-        for schedule in order:
-            run_dir = out / schedule
-            done = [rec["step"] for rec in _read_records(run_dir)] if run_dir.exists() else []
-            if (r + 1) * every not in done:  # a finished segment of an earlier demo stays
-                _run_segment(
-                    run_dir, [*flags, "--schedule", schedule], (r + 1) * every, steps, progress
-                )
+    run_alternating(out, runs, steps, rounds, progress)
     others = None
     if busy is not None and (now := machine_busy_s()) is not None:
         wall = max(time.monotonic() - began, 1e-9)
         others = max(0.0, (now - busy) - (children_cpu_s() - ours)) / wall
+    records = {s: read_records(out / s) for s in schedules}
     per_round = {
-        s: [
-            segment_figures(_read_records(out / s), r * every, (r + 1) * every)
-            for r in range(rounds)
-        ]
+        s: [segment_figures(records[s], r * every, (r + 1) * every) for r in range(rounds)]
         for s in schedules
     }
     summaries = {s: json.loads((out / s / "summary.json").read_text()) for s in schedules}
+    target = final_val(records[BASELINE])
+    reached = {s: crossing(val_curve(records[s]), target) for s in schedules}
     speed = {}
     for s in schedules:
         tokens = [f["tokens_per_s"] for f in per_round[s]]
         ratios = [t / f["tokens_per_s"] for t, f in zip(tokens, per_round[BASELINE], strict=True)]
+        mine, base_time = reached[s], reached[BASELINE]
         speed[s] = {
+            "time_to_target_s": mine,
+            "time_vs_1f1b": None if mine is None or not base_time else mine / base_time,
             "tokens_per_s": statistics.median(tokens),
             "tokens_per_s_rounds": tokens,
             "vs_1f1b": statistics.median(ratios),
@@ -230,6 +175,7 @@ def run_demo(
         "steps": steps,
         "runs": summaries,
         "speed": speed,
+        "target": target,
         "figure": str(figure),
         "other_cores": others,  # cores that other processes kept busy on average, or None
         "cores": os.cpu_count() or 1,
@@ -255,6 +201,14 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _reached(seconds: float | None) -> str:
+    return "not reached" if seconds is None else f"{seconds:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def format_demo(result: dict[str, Any]) -> str:
     schedules, runs, speed = result["schedules"], result["runs"], result["speed"]
 
@@ -278,6 +232,14 @@ def format_demo(result: dict[str, Any]) -> str:
         ),
         ("bubble share", *(f"{speed[s]['bubble_share']:.1%}" for s in schedules)),
     ]
+    if result.get("target") is not None:  # each schedule's time to 1f1b's final loss
+        rows[3:3] = [
+            (
+                f"time to {result['target']:.3f} (s)",
+                *(_reached(speed[s]["time_to_target_s"]) for s in schedules),
+            ),
+            ("  vs 1f1b's time", *(_ratio(speed[s]["time_vs_1f1b"]) for s in schedules)),
+        ]
     width = [max(len(r[i]) for r in rows) for i in range(len(schedules) + 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows]
     lines.append(

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -210,6 +211,9 @@ class Trainer:
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.model_stages)]
             self.pipe.load_stage_parts(self.start_step, parts)
+        # every action's duration, for the projected clock of `bench time-to-target`
+        for interpreter in self.pipe.emulator.interpreters:
+            interpreter.record = True
         self.step_losses: dict[int, list[float]] = {}
         self.result = RunResult(self.run_dir)
 
@@ -229,12 +233,14 @@ class Trainer:
             self.step_losses.setdefault(item.step, []).append(item.value)
         for step in result.steps:
             losses = self.step_losses.pop(step)
+            elapsed = self.elapsed_offset + time.perf_counter() - self.t0
             record = {
                 "step": step,
                 "loss": sum(losses) / len(losses),
                 "lr": self.workers[0].lr_of(step),
                 "tokens": step * self.cfg.tokens_per_step,
-                "elapsed_s": self.elapsed_offset + time.perf_counter() - self.t0,
+                "elapsed_s": elapsed,
+                "train_s": elapsed - self.paused_s,
                 "grad_norm": result.grad_norms[step],
             }
             if step == point:
@@ -249,6 +255,8 @@ class Trainer:
                 self.bar.update(1)
 
     def _drain_point(self, step: int, metrics: MetricsWriter) -> None:
+        """Validation and checkpoint: time off the training clock (``train_s``)."""
+        began = time.perf_counter()
         record = self.pending
         record["val_loss"] = validation_loss(self.pipe, self.cfg, self.data)
         self.result.records.append(record)
@@ -256,6 +264,7 @@ class Trainer:
         every = self.cfg.checkpoint_every
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
             self._checkpoint(step)
+        self.paused_s += time.perf_counter() - began
 
     def _checkpoint(self, step: int) -> None:
         staging = staging_dir(self.run_dir, step)
@@ -266,7 +275,7 @@ class Trainer:
             step,
             self.cfg.model_stages,
             self.cfg.fingerprint(),
-            {"elapsed_s": self.pending["elapsed_s"]},
+            {"elapsed_s": self.pending["elapsed_s"], "train_s": self.pending["train_s"]},
         )
 
     # ----- the loop ------------------------------------------------------------------------------
@@ -275,6 +284,7 @@ class Trainer:
 
         self._write_config()
         self.elapsed_offset = self._resumed_elapsed()  # truncates metrics.jsonl: open it after
+        self.paused_s = self.elapsed_offset - self._resumed_train()
         metrics = MetricsWriter(self.run_dir)
         self.bar = tqdm(
             total=self.cfg.steps,
@@ -300,6 +310,14 @@ class Trainer:
             metrics.close()
         self._finish()
         return self.result
+
+    def _resumed_train(self) -> float:
+        """The training clock at the checkpoint (wall clock less validations and checkpoints;
+        a checkpoint from before the training clock existed counts it as the wall clock)."""
+        if not self.start_step:
+            return 0.0
+        manifest = read_manifest(self.run_dir)
+        return float(manifest.get("train_s", manifest.get("elapsed_s", 0.0)))
 
     def _resumed_elapsed(self) -> float:
         if not self.start_step:
@@ -339,6 +357,10 @@ class Trainer:
             )
             + "\n"
         )
+        # the median seconds of each stage's F, B and STEP as this process ran them one at a
+        # time: the costs a P-device pipeline would pay (time_to_target.projected_times)
+        costs = {"median_s": _median_spans(self.pipe.emulator.interpreters)}
+        (self.run_dir / "action_costs.json").write_text(json.dumps(costs) + "\n")
         with whole_model(self.plan, self.model) as model:
             text = sample(self.plan, model, self.data)
         if text is not None:
@@ -349,6 +371,14 @@ class Trainer:
         summary = run_summary(self.cfg, records, peaks, text)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.result.summary = summary
+
+
+def _median_spans(interpreters: Any) -> dict[str, dict[str, float]]:
+    spans: dict[str, dict[str, list[float]]] = {}
+    for interpreter in interpreters:
+        for action, start, end in interpreter.spans:
+            spans.setdefault(str(action.stage), {}).setdefault(action.kind, []).append(end - start)
+    return {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in spans.items()}
 
 
 def run_summary(

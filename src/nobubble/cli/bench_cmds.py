@@ -1,4 +1,5 @@
-"""``nobubble bench sim | emulator | runtime``: benchmarks that print figures, never timed tests."""
+"""``nobubble bench sim | emulator | runtime | time-to-target``: benchmarks that print figures,
+never timed tests."""
 
 from __future__ import annotations
 
@@ -248,6 +249,32 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----- nobubble bench time-to-target -------------------------------------------------------------
+def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nobubble.demo import demo_flags, eval_every
+    from nobubble.time_to_target import format_race, parse_variants, race
+
+    variants = parse_variants(args.variants)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    # the demo's settings (mini, Muon, P=2, M=4, two processes), then the caller's train flags
+    base = demo_flags(args.steps, args.rounds)
+    every = args.eval_every or eval_every(args.steps, args.rounds)
+    if (args.steps // args.rounds) % every:
+        raise ValueError(
+            f"--eval-every {every} does not divide a round of {args.steps // args.rounds} steps: "
+            "evaluations must fall on the rounds' drain points too"
+        )
+    base += ["--eval-every", str(every), *args.train]
+    result = race(Path(args.out), base, variants, seeds, args.steps, args.rounds, not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_race(result))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print figures")
     bench = p.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -326,3 +353,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_runtime)
+
+    q = bench.add_parser(
+        "time-to-target",
+        help="each variant's time to 1f1b's final validation loss, a round per seed",
+        description="Train 1f1b and every variant for every seed (the demo's settings: mini, "
+        "Muon, 2 stages on 2 processes, M=4; change any with --train), the runs of a seed "
+        "cut into --rounds segments that alternate; print each variant's time to its seed's "
+        "1f1b final validation loss and the ratio to 1f1b's. With --train '--runtime emulate' "
+        "the clock is projected from the emulator's measured action costs.",
+    )
+    q.add_argument(
+        "--variants",
+        default="1f1b,paci,2bw",
+        help="comma list of SCHEDULE[:CORRECTION][@LR], e.g. paci,paci:predict,2bw:ef@0.008 "
+        "(1f1b, the baseline, is always run)",
+    )
+    q.add_argument("--seeds", default="0,1,2", help="comma list of seeds, one round each")
+    q.add_argument("--steps", type=positive_int, default=150)
+    q.add_argument("--rounds", type=positive_int, default=3, help="segments per run")
+    q.add_argument(
+        "--eval-every", type=positive_int, default=0, help="0: a fifth of a round's steps"
+    )
+    q.add_argument(
+        "--train",
+        type=str.split,
+        default=[],
+        help="nobubble train flags in one string, after the demo's (they win), e.g. "
+        "'--optimizer adamw --lr 3e-3 --stages 4 --runtime emulate'",
+    )
+    q.add_argument("--out", default="runs/time-to-target")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_time_to_target)

@@ -214,6 +214,8 @@ class RankRun:
         start_time: list[Any] = [time.time()]
         dist.broadcast_object_list(start_time, src=0, group=self.objects)
         self.t0 = float(start_time[0]) - self._resumed_elapsed()
+        # validations and checkpoints so far: off the training clock (train_s = elapsed - paused)
+        self.paused_s = self._resumed_elapsed() - self._resumed_train()
         stop = self.cfg.stop_at or self.cfg.steps
         try:
             done = self.start_step
@@ -258,6 +260,9 @@ class RankRun:
 
     # ----- drain points --------------------------------------------------------------------------
     def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
+        """Validation, gathered metrics and checkpoint. Their time is off the training clock:
+        from the moment the last rank finished the drain's actions to the end here."""
+        entered = time.time()
         P = self.num_ranks
         base = self.dp * P  # this replica's first global rank
         neighbours = [base + r for r in (self.pp - 1, self.pp + 1) if 0 <= r < P]
@@ -271,6 +276,7 @@ class RankRun:
             "times": self.step_times,
             "spans": [(str(a), s, e) for a, s, e in segment],
             "losses": self.losses,  # the last stage's, of this replica's micro-batches
+            "entered": entered,
         }
         self.losses = {}
         gathered: list[Any] = [None] * self.env.world_size
@@ -293,11 +299,16 @@ class RankRun:
                     step,
                     self.cfg.model_stages,
                     self.cfg.fingerprint(),
-                    {"elapsed_s": self.records[-1]["elapsed_s"]},
+                    {
+                        "elapsed_s": self.records[-1]["elapsed_s"],
+                        "train_s": self.records[-1]["train_s"],
+                    },
                 )
             self._barrier()
             self.last_checkpoint = step
         self.meeting = None
+        if self.rank == self.last:  # the records' writer keeps the clock
+            self.paused_s += time.time() - max(g["entered"] for g in gathered)
 
     def _write_records(
         self,
@@ -320,6 +331,7 @@ class RankRun:
                 "lr": self.worker.lr_of(j),
                 "tokens": j * self.cfg.tokens_per_step,
                 "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
+                "train_s": max(g["times"][j] for g in gathered) - self.t0 - self.paused_s,
                 "grad_norm": _by_stage(gathered[:P], [g["grad_norms"][j] for g in gathered[:P]]),
             }
             if j == step:  # the drain point: validation and the segment's measured timeline
@@ -359,6 +371,13 @@ class RankRun:
         if not self.start_step:
             return 0.0
         return float(read_manifest(self.run_dir).get("elapsed_s", 0.0))
+
+    def _resumed_train(self) -> float:
+        """The training clock at the checkpoint (the wall clock, for a checkpoint without it)."""
+        if not self.start_step:
+            return 0.0
+        manifest = read_manifest(self.run_dir)
+        return float(manifest.get("train_s", manifest.get("elapsed_s", 0.0)))
 
     def _finish(self) -> RunResult | None:
         mine = {

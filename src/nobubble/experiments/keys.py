@@ -38,6 +38,8 @@ NOT_TRAINING_CODE = (
     "bench.py",
     "bench_runtime.py",
     "demo.py",
+    "segments.py",
+    "time_to_target.py",
 )
 HASH_CHARS = 8
 
