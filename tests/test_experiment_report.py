@@ -376,6 +376,8 @@ MAKERS = {
     "error-feedback": grids.error_feedback,
     "depth": grids.depth,
     "paci": grids.paci,
+    "lr-gap": grids.lr_gap,
+    "corrections": grids.corrections,
 }
 
 
@@ -503,7 +505,8 @@ def test_the_longer_regime_is_20_tokens_per_parameter_with_a_x2_lr_grid():
     assert 250_000 <= params <= 350_000 and b["vocab_size"] == 512
     assert b["microbatches"] * b["micro_batch_size"] == 32 and b["seq_len"] == 128
     assert 19 <= tokens / params <= 21
-    assert profile.experiments == ("error-feedback", "paci") and "soap" in profile.optimizers
+    assert profile.experiments == ("error-feedback", "paci", "lr-gap", "corrections")
+    assert "soap" in profile.optimizers
     for grid in profile.lr_grid.values():
         assert all(hi / lo == pytest.approx(2.0) for lo, hi in itertools.pairwise(grid))
     sweep = grids.lr_sweep(profile)
@@ -524,7 +527,10 @@ def test_the_longer_regime_defines_only_its_two_claims(tmp_path, capsys):
 
     out = tmp_path / "x"
     assert main(["experiment", "depth", "--regime", "long", "--out", str(out)]) == 2
-    assert "--regime long defines error-feedback, paci, not depth" in capsys.readouterr().err
+    assert (
+        "--regime long defines error-feedback, paci, lr-gap, corrections, not depth"
+        in capsys.readouterr().err
+    )
     assert not out.exists()
 
 
@@ -535,6 +541,7 @@ def test_grid_seconds_counts_each_run_once():
     names = {s.name for s in grids.lr_sweep(grids.LONG)}
     names |= {s.name for s in grids.error_feedback(grids.LONG, lrs, 3)}
     names |= {s.name for s in grids.paci(grids.LONG, lrs, 3)}
+    names |= {s.name for s in grids.corrections(grids.LONG, lrs, 3)}  # lr-gap's included
     assert sum(cost.values()) == len(names) * grids.LONG.base["steps"]
 
 

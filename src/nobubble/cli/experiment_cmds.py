@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-EXPERIMENT_NAMES = ("delay-vs-optimizer", "error-feedback", "depth", "paci", "report")
+EXPERIMENT_NAMES = (
+    "delay-vs-optimizer",
+    "error-feedback",
+    "depth",
+    "paci",
+    "lr-gap",
+    "corrections",
+    "report",
+)
 
 
 def _depths(text: str) -> tuple[int, ...]:

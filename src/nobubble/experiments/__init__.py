@@ -9,25 +9,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nobubble.experiments import analysis, depth_analysis, grids, paci_analysis
+from nobubble.experiments import analysis, depth_analysis, gap_analysis, grids, paci_analysis
 from nobubble.experiments.runner import RunOutcome, RunSpec, run_grid
 from nobubble.experiments.stats import MIN_SEEDS
 from nobubble.optim.library import check_installed
 
 log = logging.getLogger(__name__)
 
-EXPERIMENTS = ("delay-vs-optimizer", "error-feedback", "depth", "paci", "report")
+EXPERIMENTS = (
+    "delay-vs-optimizer",
+    "error-feedback",
+    "depth",
+    "paci",
+    "lr-gap",
+    "corrections",
+    "report",
+)
 GRIDS = {
     "delay-vs-optimizer": grids.delay_vs_optimizer,
     "error-feedback": grids.error_feedback,
     "depth": grids.depth,
     "paci": grids.paci,
+    "lr-gap": grids.lr_gap,
+    "corrections": grids.corrections,
 }
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "delay-vs-optimizer": analysis.delay_table,
     "error-feedback": analysis.ef_table,
     "depth": depth_analysis.depth_table,
     "paci": paci_analysis.paci_table,
+    "lr-gap": gap_analysis.gap_table,
+    "corrections": gap_analysis.gap_table,
 }
 
 
@@ -174,6 +186,9 @@ def summarize(
         return paci_analysis.analyze_paci(outcomes, out, profile.optimizers, lrs, profile.base)
     if name == "depth":
         return depth_analysis.analyze_depth(outcomes, out, profile.optimizers)
+    if name in ("lr-gap", "corrections"):
+        fixes = grids.GAP_CORRECTIONS if name == "corrections" else ()
+        return gap_analysis.analyze_gap(outcomes, out, profile.optimizers, lrs, fixes)
     if name == "error-feedback":
         return analysis.analyze_ef(outcomes, out, profile.optimizers, lrs, profile.corrections)
     return analysis.analyze_delay(outcomes, out, profile.optimizers, lrs)
