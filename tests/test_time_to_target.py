@@ -1,0 +1,141 @@
+"""Time to target (issue 34): the crossing rule, the variants' spelling and refusals, the training
+clock that leaves validations out, the projected clock, and a race's summary."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from nobubble.core.schedules import build_schedule
+from nobubble.core.sim import CostModel, simulate
+from nobubble.time_to_target import (
+    Variant,
+    crossing,
+    parse_variants,
+    projected_times,
+    summarize,
+    val_curve,
+)
+
+
+# ----- the crossing rule --------------------------------------------------------------------------
+def test_crossing_interpolates_between_the_evaluations_around_the_target():
+    points = [(10.0, 5.0), (20.0, 4.0), (30.0, 3.0)]
+    assert crossing(points, 3.5) == pytest.approx(25.0)  # halfway from 4.0 to 3.0
+    assert crossing(points, 4.0) == 20.0  # reached exactly at an evaluation
+    assert crossing(points, 6.0) == 10.0  # already there at the first evaluation
+    assert crossing(points, 2.9) is None  # never reached: not extrapolated
+
+
+def test_crossing_takes_the_first_time_a_noisy_curve_gets_there():
+    points = [(1.0, 5.0), (2.0, 3.0), (3.0, 4.0), (4.0, 2.0)]
+    assert crossing(points, 3.5) == pytest.approx(1.75)
+
+
+def test_the_curve_reads_the_training_clock_and_only_evaluated_steps():
+    records = [
+        {"step": 1, "elapsed_s": 1.0, "train_s": 1.0, "tokens": 10},
+        {"step": 2, "elapsed_s": 2.0, "train_s": 2.0, "tokens": 20, "val_loss": 4.0},
+        {"step": 3, "elapsed_s": 9.0, "train_s": 3.0, "tokens": 30, "val_loss": 3.0},
+    ]
+    assert val_curve(records) == [(2.0, 4.0), (3.0, 3.0)]
+    assert val_curve(records, {2: 20.0, 3: 30.0}) == [(20.0, 4.0), (30.0, 3.0)]
+    old = [{"step": 2, "elapsed_s": 5.0, "tokens": 1, "val_loss": 4.0}]  # before train_s
+    assert val_curve(old) == [(5.0, 4.0)]
+
+
+# ----- variants -----------------------------------------------------------------------------------
+def test_variants_round_trip_and_always_start_with_the_baseline():
+    variants = parse_variants("paci:predict@0.008, 2bw:ef ,paci")
+    assert [v.label for v in variants] == ["1f1b", "paci:predict@0.008", "2bw:ef", "paci"]
+    assert variants[1] == Variant("paci", "predict", 0.008)
+    assert variants[1].flags() == ["--schedule", "paci", "--correction", "predict", "--lr", "0.008"]
+    assert [v.label for v in parse_variants("1f1b,paci")] == ["1f1b", "paci"]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("pacy", "schedule 'pacy' is unknown"),
+        ("paci:spectrain", "correction 'spectrain' is unknown"),
+        ("paci@fast", "'fast' after @ is not a learning rate"),
+        ("paci@-1", "must be > 0"),
+        ("paci,paci", "twice"),
+    ],
+)
+def test_a_bad_variant_is_refused_with_the_spelling(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_variants(text)
+
+
+# ----- the clocks ---------------------------------------------------------------------------------
+def _train(tmp_path: Path, name: str, *flags: str) -> Path:
+    from nobubble.cli import main
+
+    out = tmp_path / name
+    common = "--model tiny --vocab-size 512 --seq-len 16 --micro-batch-size 2 --steps 4"
+    common += " --eval-every 2 --eval-batches 2 --sample-tokens 0 --threads 1 --no-progress"
+    assert main(["train", *common.split(), *flags, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_validation_is_off_the_training_clock_and_the_projection_replays_the_schedule(tmp_path):
+    run = _train(tmp_path, "paci", "--schedule", "paci", "--stages", "2")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for before, after in itertools.pairwise(records):
+        paused = (after["elapsed_s"] - before["elapsed_s"]) - (after["train_s"] - before["train_s"])
+        # the validation of a drain point is paused; between other steps nothing is
+        assert paused > 0 if "val_loss" in before else paused == pytest.approx(0.0, abs=1e-9)
+    costs = json.loads((run / "action_costs.json").read_text())["median_s"]
+    assert set(costs) == {"0", "1"} and set(costs["0"]) == {"F", "B", "STEP"}
+    # the projection is the simulator's timeline of the run's schedule under those costs
+    schedule = build_schedule("paci", 2, 4, 4, 4, drain_at=[2])
+    model = CostModel(
+        fwd=(costs["0"]["F"], costs["1"]["F"]),
+        bwd=(costs["0"]["B"], costs["1"]["B"]),
+        step=(costs["0"]["STEP"] + costs["1"]["STEP"]) / 2,
+    )
+    makespan = simulate(schedule, model).metrics.makespan
+    times = projected_times(run)
+    assert sorted(times) == [1, 2, 3, 4]
+    assert times[4] == pytest.approx(makespan)
+    assert times[1] < times[2] < times[3] < times[4]
+
+
+# ----- a race's summary ---------------------------------------------------------------------------
+def _fake_run(root: Path, seed: int, name: str, curve: list[tuple[float, float]]) -> None:
+    run = root / f"seed{seed}" / name
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"config": {"runtime": "dist"}}))
+    lines = [
+        {
+            "step": 10 * (i + 1),
+            "tokens": 1000 * (i + 1),
+            "elapsed_s": t + 5,
+            "train_s": t,
+            "val_loss": v,
+        }
+        for i, (t, v) in enumerate(curve)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_a_race_reports_each_seeds_time_to_its_baselines_final_loss(tmp_path):
+    # seed 0: 1f1b ends at 3.0 after 30 s; paci gets to 3.0 at 24 s (between 20 s and 25 s)
+    _fake_run(tmp_path, 0, "1f1b", [(10.0, 4.0), (20.0, 3.5), (30.0, 3.0)])
+    _fake_run(tmp_path, 0, "paci", [(10.0, 3.8), (20.0, 3.2), (25.0, 2.9)])
+    # seed 1: paci never reaches 1f1b's 2.9
+    _fake_run(tmp_path, 1, "1f1b", [(10.0, 4.0), (30.0, 2.9)])
+    _fake_run(tmp_path, 1, "paci", [(10.0, 3.9), (25.0, 3.0)])
+    result = summarize(tmp_path, parse_variants("paci"), [0, 1])
+    paci = result["variants"]["paci"]
+    assert paci["seeds"][0]["time_to_target_s"] == pytest.approx(20 + 5 * 0.2 / 0.3)
+    assert paci["seeds"][0]["vs_baseline"] == pytest.approx((20 + 5 * 0.2 / 0.3) / 30)
+    assert paci["seeds"][1]["time_to_target_s"] is None and paci["reached"] == 1
+    assert paci["vs_baseline_interval"] is None  # a seed that never got there: no mean ratio
+    assert result["variants"]["1f1b"]["vs_baseline_median"] == 1.0
+    assert not result["projected"]
