@@ -629,8 +629,10 @@ def corrections(profile: Profile, lrs: dict[str, float], seeds: int) -> list[Run
     """Issue 34 items 2-3: every correction (ef, predict, delay-lr) on 2bw and paci at each lr
     of the lr-gap grid, with the lr-gap grid itself (the runs they are compared against)."""
     specs = lr_gap(profile, lrs, seeds)
-    for opt in [o for o in ("adamw", "muon") if o in profile.optimizers]:
-        for factor, lr in _gap_lrs(profile, lrs, opt):
+    # the best synchronous lr first, then down: a grid stopped early has the runs that matter
+    for factor in sorted(LR_FACTORS, reverse=True):
+        for opt in [o for o in ("adamw", "muon") if o in profile.optimizers]:
+            lr = lrs[opt] * factor
             for seed in range(seeds):
                 for schedule in ("2bw", "paci"):
                     for correction in GAP_CORRECTIONS:
