@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -90,8 +91,10 @@ def test_validation_is_off_the_training_clock_and_the_projection_replays_the_sch
         paused = (after["elapsed_s"] - before["elapsed_s"]) - (after["train_s"] - before["train_s"])
         # the validation of a drain point is paused; between other steps nothing is
         assert paused > 0 if "val_loss" in before else paused == pytest.approx(0.0, abs=1e-9)
-    costs = json.loads((run / "action_costs.json").read_text())["median_s"]
-    assert set(costs) == {"0", "1"} and set(costs["0"]) == {"F", "B", "STEP"}
+    durations = json.loads((run / "action_costs.json").read_text())["durations_s"]
+    assert set(durations) == {"0", "1"} and set(durations["0"]) == {"F", "B", "STEP"}
+    assert [len(durations["1"][k]) for k in ("F", "B", "STEP")] == [16, 16, 4]  # M=4, 4 steps
+    costs = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in durations.items()}
     # the projection is the simulator's timeline of the run's schedule under those costs
     schedule = build_schedule("paci", 2, 4, 4, 4, drain_at=[2])
     model = CostModel(

@@ -76,7 +76,10 @@ def projected_times(run_dir: Path) -> dict[int, float]:
 
     saved = json.loads((run_dir / "config.json").read_text())
     cfg = TrainConfig.from_mapping(saved["config"])
-    costs = json.loads((run_dir / "action_costs.json").read_text())["median_s"]
+    durations = json.loads((run_dir / "action_costs.json").read_text())["durations_s"]
+    costs = {
+        s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in durations.items()
+    }
     plan = make_plan(cfg, saved["resolved"]["vocab_size"])
     stages = range(plan.schedule.num_stages)
 

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import platform
-import statistics
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -325,6 +324,20 @@ class Trainer:
         truncate_metrics(self.run_dir, self.start_step)
         return float(read_manifest(self.run_dir).get("elapsed_s", 0.0))
 
+    def _record_action_costs(self) -> None:
+        """Every F, B and STEP duration of each stage as this process ran them, one at a time:
+        the costs a P-device pipeline would pay (``time_to_target.projected_times``), added to
+        those of the run's earlier segments."""
+        path = self.run_dir / "action_costs.json"
+        durations: dict[str, dict[str, list[float]]] = {}
+        if self.start_step and path.exists():
+            durations = json.loads(path.read_text())["durations_s"]
+        for interpreter in self.pipe.emulator.interpreters:
+            for action, start, end in interpreter.spans:
+                kinds = durations.setdefault(str(action.stage), {})
+                kinds.setdefault(action.kind, []).append(round(end - start, 7))
+        path.write_text(json.dumps({"durations_s": durations}) + "\n")
+
     def _write_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -357,10 +370,7 @@ class Trainer:
             )
             + "\n"
         )
-        # the median seconds of each stage's F, B and STEP as this process ran them one at a
-        # time: the costs a P-device pipeline would pay (time_to_target.projected_times)
-        costs = {"median_s": _median_spans(self.pipe.emulator.interpreters)}
-        (self.run_dir / "action_costs.json").write_text(json.dumps(costs) + "\n")
+        self._record_action_costs()
         with whole_model(self.plan, self.model) as model:
             text = sample(self.plan, model, self.data)
         if text is not None:
@@ -371,14 +381,6 @@ class Trainer:
         summary = run_summary(self.cfg, records, peaks, text)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self.result.summary = summary
-
-
-def _median_spans(interpreters: Any) -> dict[str, dict[str, float]]:
-    spans: dict[str, dict[str, list[float]]] = {}
-    for interpreter in interpreters:
-        for action, start, end in interpreter.spans:
-            spans.setdefault(str(action.stage), {}).setdefault(action.kind, []).append(end - start)
-    return {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in spans.items()}
 
 
 def run_summary(
