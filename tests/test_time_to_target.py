@@ -142,3 +142,16 @@ def test_a_race_reports_each_seeds_time_to_its_baselines_final_loss(tmp_path):
     assert paci["vs_baseline_interval"] is None  # a seed that never got there: no mean ratio
     assert result["variants"]["1f1b"]["vs_baseline_median"] == 1.0
     assert not result["projected"]
+
+
+def test_equal_budget_steps_follow_the_measured_throughput_in_whole_quanta():
+    from nobubble.time_to_target import budget_steps
+
+    def row(*tokens_per_s: float) -> dict:
+        return {"seeds": {s: {"tokens_per_s": t} for s, t in enumerate(tokens_per_s)}}
+
+    result = {"variants": {"1f1b": row(100.0, 200.0, 100.0), "paci": row(122.0, 250.0, 119.0)}}
+    # per-seed ratios 1.22, 1.25, 1.19: the median 1.22 x 150 = 183 steps, to a multiple of 30
+    assert budget_steps(result, 150, 30) == {"1f1b": 150, "paci": 180}
+    slow = {"variants": {"1f1b": row(100.0), "paci": row(1.0)}}
+    assert budget_steps(slow, 150, 30)["paci"] == 30  # never below one quantum

@@ -102,22 +102,33 @@ def _run_segment(
 def run_alternating(
     out: Path,
     runs: Mapping[str, Sequence[str]],
-    steps: int,
+    steps: int | Mapping[str, int],
     segments: int,
     progress: bool = True,
     rotate: int = 0,
 ) -> None:
-    """Train every run (label -> ``nobubble train`` flags, each with ``--steps steps``) under
-    ``out/label`` in ``segments`` alternating segments; round r starts with the run at position
-    ``(r + rotate) % len(runs)``. A segment finished by an earlier invocation is kept."""
-    check_segments(steps, segments)
+    """Train every run (label -> ``nobubble train`` flags with its ``--steps``: ``steps``, or
+    ``steps[label]``) under ``out/label`` in ``segments`` alternating segments; round r starts
+    with the run at position ``(r + rotate) % len(runs)``. A segment finished by an earlier
+    invocation is kept."""
     labels = list(runs)
+    lengths = {label: steps if isinstance(steps, int) else steps[label] for label in labels}
+    flags = {}
     for label in labels:  # before any run starts
-        check_earlier_run(out / label, runs[label])
-    every = steps // segments
+        check_segments(lengths[label], segments)
+        # a checkpoint where every segment ends (and, by then, wherever the flags ask too)
+        every = lengths[label] // segments
+        flags[label] = [
+            *runs[label],
+            "--steps",
+            str(lengths[label]),
+            "--checkpoint-every",
+            str(every),
+        ]
+        check_earlier_run(out / label, flags[label])
     for r in range(segments):
         k = (r + rotate) % len(labels)
         for label in labels[k:] + labels[:k]:
-            run_dir = out / label
+            run_dir, every = out / label, lengths[label] // segments
             if (r + 1) * every not in {rec["step"] for rec in read_records(run_dir)}:
-                _run_segment(run_dir, runs[label], (r + 1) * every, steps, progress)
+                _run_segment(run_dir, flags[label], (r + 1) * every, lengths[label], progress)

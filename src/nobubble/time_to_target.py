@@ -17,6 +17,7 @@ the simulator on P parallel stages with free transfers, the run's own schedule a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections.abc import Mapping, Sequence
@@ -109,6 +110,7 @@ class Variant:
     schedule: str
     correction: str = "none"
     lr: float | None = None
+    steps: int | None = None  # its own number of steps (an equal-budget race); None: the race's
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -140,7 +142,8 @@ class Variant:
 
     def flags(self) -> list[str]:
         out = ["--schedule", self.schedule, "--correction", self.correction]
-        return out + ([] if self.lr is None else ["--lr", repr(self.lr)])
+        out += [] if self.lr is None else ["--lr", repr(self.lr)]
+        return out + ([] if self.steps is None else ["--steps", str(self.steps)])
 
 
 def parse_variants(text: str) -> list[Variant]:
@@ -171,24 +174,49 @@ def race(
 ) -> dict[str, Any]:
     """Train every variant for every seed (a round per seed, ``out/seedS/VARIANT``) and
     measure each one's time to its seed's baseline's final validation loss."""
-    if variants[0] != Variant(BASELINE):
+    if variants[0].label != BASELINE:
         raise ValueError(f"the race's first variant is the baseline {BASELINE}, got {variants[0]}")
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds {list(seeds)!r}: give distinct seeds, e.g. 0,1,2")
     for i, seed in enumerate(seeds):
-        runs = {
-            _dir_name(v.label): [
-                *base_flags,
-                *v.flags(),
-                "--seed",
-                str(seed),
-                "--steps",
-                str(steps),
-            ]
-            for v in variants
-        }
-        run_alternating(out / f"seed{seed}", runs, steps, segments, progress, rotate=i)
+        common = [*base_flags, "--seed", str(seed), "--steps", str(steps)]
+        runs = {_dir_name(v.label): [*common, *v.flags()] for v in variants}  # theirs win
+        lengths = {_dir_name(v.label): v.steps or steps for v in variants}
+        run_alternating(out / f"seed{seed}", runs, lengths, segments, progress, rotate=i)
     return summarize(out, variants, seeds)
+
+
+def budget_steps(result: Mapping[str, Any], steps: int, quantum: int) -> dict[str, int]:
+    """Each variant's steps for the same wall-clock budget as the baseline's ``steps``: its
+    measured throughput ratio to the baseline (median over the race's seeds) times ``steps``,
+    rounded to a multiple of ``quantum`` (segments and evaluations must divide it)."""
+    out = {}
+    base = result["variants"][BASELINE]["seeds"]
+    for label, row in result["variants"].items():
+        ratios = [r["tokens_per_s"] / base[s]["tokens_per_s"] for s, r in row["seeds"].items()]
+        out[label] = max(quantum, round(steps * statistics.median(ratios) / quantum) * quantum)
+    return out
+
+
+def equal_budget(
+    out: Path,
+    base_flags: Sequence[str],
+    variants: Sequence[Variant],
+    seeds: Sequence[int],
+    steps: int,
+    segments: int,
+    quantum: int,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """As a user would run it: first the race at equal steps (``out``), then every variant
+    again for the baseline's wall-clock budget, its steps (and so its learning-rate schedule)
+    scaled by its measured throughput (``out/equal-budget``); final loss against final loss."""
+    same = race(out, base_flags, variants, seeds, steps, segments, progress)
+    lengths = budget_steps(same, steps, quantum)
+    budgeted = [dataclasses.replace(v, steps=lengths[v.label]) for v in variants]
+    result = race(out / "equal-budget", base_flags, budgeted, seeds, steps, segments, progress)
+    result["steps"] = lengths
+    return {"equal_steps": same, "equal_budget": result}
 
 
 def _emulated(run_dir: Path) -> bool:
@@ -220,6 +248,7 @@ def summarize(out: Path, variants: Sequence[Variant], seeds: Sequence[int]) -> d
             last = records[-1]
             seconds = times[last["step"]] if times is not None else clock(last)
             rows[v.label]["seeds"][seed] = {
+                "steps": last["step"],
                 "final_val": final_val(records),
                 "target": target,
                 "time_to_target_s": reached,
@@ -234,6 +263,9 @@ def summarize(out: Path, variants: Sequence[Variant], seeds: Sequence[int]) -> d
         row["vs_baseline_median"] = statistics.median(ratios.values()) if ratios else None
         row["vs_baseline_interval"] = interval(ratios) if len(ratios) == len(per) else None
         row["final_val_mean"] = statistics.fmean(r["final_val"] for r in per.values())
+        # final loss against the baseline's, paired by seed (negative: lower than 1f1b's)
+        finals = {s: r["final_val"] - r["target"] for s, r in per.items()}
+        row["final_vs_baseline"] = interval(finals)
         row["tokens_per_s_median"] = statistics.median(r["tokens_per_s"] for r in per.values())
     return {"baseline": BASELINE, "seeds": list(seeds), "projected": projected, "variants": rows}
 
@@ -248,12 +280,13 @@ def format_race(result: Mapping[str, Any]) -> str:
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    def spread(iv: Mapping[str, Any] | None) -> str:
+    def spread(iv: Mapping[str, Any] | None, sign: str = "") -> str:
         if iv is None or iv["lo"] is None:
             return "-"
-        return f"{iv['mean']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]"
+        return f"{iv['mean']:{sign}.3f} [{iv['lo']:{sign}.3f}, {iv['hi']:{sign}.3f}]"
 
-    header = ["variant", "final val (mean)", "tokens/s (median)", "time to target (s)"]
+    header = ["variant", "steps", "final val (mean)", "- 1f1b [95%]", "tokens/s (median)"]
+    header += ["time to target (s)"]
     header += ["vs 1f1b (median)", "vs 1f1b mean [95%]", "vs 1f1b per seed"]
     lines = []
     for label, row in result["variants"].items():
@@ -265,10 +298,13 @@ def format_race(result: Mapping[str, Any]) -> str:
             else f"{iv['mean']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]"
         )
         median = row["vs_baseline_median"]
+        finals = row["final_vs_baseline"]
         lines.append(
             [
                 label,
+                "/".join(sorted({str(r["steps"]) for r in per})),
                 f"{row['final_val_mean']:.4f}",
+                "-" if label == result["baseline"] else spread(finals, "+"),
                 f"{row['tokens_per_s_median']:,.0f}",
                 " / ".join(seconds(r["time_to_target_s"]) for r in per),
                 "-" if median is None else f"{median:.3f}",

@@ -254,7 +254,7 @@ def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nobubble.demo import demo_flags, eval_every
-    from nobubble.time_to_target import format_race, parse_variants, race
+    from nobubble.time_to_target import equal_budget, format_race, parse_variants, race
 
     variants = parse_variants(args.variants)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -267,11 +267,19 @@ def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
             "evaluations must fall on the rounds' drain points too"
         )
     base += ["--eval-every", str(every), *args.train]
-    result = race(Path(args.out), base, variants, seeds, args.steps, args.rounds, not args.json)
+    out, progress = Path(args.out), not args.json
+    if not args.equal_budget:
+        result = race(out, base, variants, seeds, args.steps, args.rounds, progress)
+        print(json.dumps(result) if args.json else format_race(result))
+        return 0
+    quantum = args.rounds * every  # whole rounds of whole evaluation intervals
+    both = equal_budget(out, base, variants, seeds, args.steps, args.rounds, quantum, progress)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(both))
     else:
-        print(format_race(result))
+        print("equal steps:\n" + format_race(both["equal_steps"]))
+        print("\nequal wall-clock budget (steps scaled by measured throughput):")
+        print(format_race(both["equal_budget"]))
     return 0
 
 
@@ -381,6 +389,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="nobubble train flags in one string, after the demo's (they win), e.g. "
         "'--optimizer adamw --lr 3e-3 --stages 4 --runtime emulate'",
+    )
+    q.add_argument(
+        "--equal-budget",
+        action="store_true",
+        help="then train every variant again for 1f1b's wall-clock budget: its steps (and its "
+        "lr schedule) scaled by its measured throughput; compare final losses",
     )
     q.add_argument("--out", default="runs/time-to-target")
     q.add_argument("--json", action="store_true")
