@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from nobubble.experiments import stats
-from nobubble.experiments.analysis import COLOURS, by_seed, select
+from nobubble.experiments.analysis import COLOURS, FORMAT, by_seed, select
 from nobubble.experiments.grids import GAP_CORRECTIONS, LR_FACTORS
 from nobubble.experiments.runner import RunOutcome
 
-FORMAT = 1
 # (asynchronous schedule, its synchronous baseline, the baseline's label in the grid)
 PAIRS = {"2bw": "1f1b", "paci": "1f1b"}
 GAP_NAMES = {"2bw": "2bw - sync", "paci": "paci - flush"}
@@ -75,8 +74,49 @@ def analyze_gap(
         if fixes:
             summary["corrections"][opt] = fixes
     _figure(summary, out / "lr_gap.png")
-    summary["figure"] = str(out / "lr_gap.png")
+    summary["figures"] = ["lr_gap.png"]
     return summary
+
+
+# ----- verdicts (rules R1-R4 of stats.py, stated in docs/results.md before the numbers) ---------
+def verdict_gap(s: dict[str, Any]) -> list[str]:
+    """Per optimizer: each gap at x1 against the paper's class; whether the gap grows with the
+    lr (gap at x1 - gap at x0.25, paired); each correction at x1 and where it helps most."""
+    from nobubble.experiments import targets
+
+    parts = []
+    papers = {"2bw": lambda opt: targets.delay_gap(opt), "paci": lambda opt: 0.009}
+    for opt, gaps in s["gaps"].items():
+        top, low = gaps[str(1.0)], gaps[str(min(LR_FACTORS))]
+        for schedule, name in GAP_NAMES.items():
+            iv = top[name]
+            paper = papers[schedule](opt) if (schedule, opt) != ("paci", "muon") else None
+            text = stats.describe(iv, stats.LOSS_MARGIN, f"{opt} {name} at the best sync lr")
+            if paper is not None:
+                expected = stats.classify_point(paper, stats.LOSS_MARGIN)
+                judged = stats.judge(iv, stats.LOSS_MARGIN, expected)
+                text = f"{judged}: {text}; paper {paper:+.3f}: {expected}"
+            parts.append(text)
+            growth = stats.paired(stats.per_seed(iv), stats.per_seed(low[name]))
+            parts.append(
+                stats.describe(
+                    growth,
+                    stats.LOSS_MARGIN,
+                    f"{opt} {name}: gap at x1 - gap at x{min(LR_FACTORS):g}",
+                )
+            )
+    for opt, by_schedule in s.get("corrections", {}).items():
+        for schedule, by_corr in by_schedule.items():
+            for corr, cells in by_corr.items():
+                best = min(cells, key=lambda f: cells[f]["vs_plain"]["mean"])
+                for factor in dict.fromkeys([str(1.0), best]):
+                    cell = cells[factor]
+                    where = f"x{float(factor):g}" + (" (helps most)" if factor == best else "")
+                    what = f"{opt} {schedule} + {corr} - {schedule} at {where}"
+                    line = stats.describe(cell["vs_plain"], stats.LOSS_MARGIN, what)
+                    left = stats.describe(cell["vs_sync"], stats.LOSS_MARGIN, "left to sync")
+                    parts.append(f"{line}; {left}")
+    return parts
 
 
 def _recovered(

@@ -16,7 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nobubble.experiments import analysis, depth_analysis, grids, paci_analysis, stats, targets
+from nobubble.experiments import (
+    analysis,
+    depth_analysis,
+    gap_analysis,
+    grids,
+    paci_analysis,
+    stats,
+    targets,
+)
 from nobubble.experiments.stats import ABOVE, LOSS_MARGIN, MATCHES, SHARE_MARGIN
 from nobubble.model import model_config
 
@@ -51,6 +59,17 @@ def _paper_depth() -> str:
 def _paper_paci() -> str:
     diffs = ", ".join(f"{k} {v:+.3f}" for k, v in targets.paci_minus_flush().items())
     return f"arXiv 2606.07881, P=8, PACI - flush final training loss: {diffs}"
+
+
+def _paper_gap() -> str:
+    return (
+        "neither paper varies the learning rate against the delay's gap; both tune it on the "
+        "synchronous schedule and reuse it. Paper A's 2bw - sync at its tuned lr: "
+        + ", ".join(f"{opt} {targets.delay_gap(opt):+.3f}" for opt in ("adamw", "muon"))
+        + "; paper B's paci - flush: within 0.009 (AdamW, a >= P-1). The corrections predict, "
+        "delay-lr, and EF on paci are nobubble's (docs/numerics.md); a correction *helps* under "
+        "R3 (corrected - plain below 0), *closes the gap* under R1 against sync"
+    )
 
 
 # Sections read from another experiment's summary: the longer regime has no delay-vs-optimizer
@@ -348,12 +367,20 @@ SECTIONS: list[tuple[str, str, Callable[[], str], Callable[..., list[str]], Call
         verdict_paci,
         paci_analysis.paci_table,
     ),
+    (
+        "corrections-long",
+        "Longer regime: the delay's gap by learning rate, and the corrections (issue 34)",
+        _paper_gap,
+        gap_analysis.verdict_gap,
+        gap_analysis.gap_table,
+    ),
 ]
 # The command of each section, where it is not `nobubble experiment FOLDER`
 COMMANDS = {
     "delay-long": "error-feedback --regime long",
     "error-feedback-long": "error-feedback --regime long",
     "paci-long": "paci --regime long",
+    "corrections-long": "corrections --regime long",
 }
 PROFILE_FLAGS = {"full": "", "quick": " --quick", "long": "", "quick-long": " --quick"}
 
