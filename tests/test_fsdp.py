@@ -138,7 +138,8 @@ def local_layout(pipe: nobubble.Pipeline) -> dict:
 def muon_step_check(pipe: nobubble.Pipeline) -> float:
     """Three ``ShardedMuon`` steps against ``torch.optim.Muon`` on unsharded copies, the same
     gradients on both: the largest difference of the gathered weights (0 when bitwise)."""
-    from nobubble.distributed.fsdp import Rows, _like, shard_stage
+    from nobubble.distributed.fsdp import _like, shard_stage
+    from nobubble.distributed.shard_comm import Rows
     from nobubble.distributed.sharded_muon import ShardedMuon
 
     torch.manual_seed(1)
@@ -233,7 +234,7 @@ def test_each_replica_holds_its_rows_of_every_parameter_and_of_its_optimizer_sta
     """FSDP2's Shard(0): replica r holds rows r·c .. min((r+1)·c, n), c = ceil(n / 2), of each
     parameter (DTensors) and of each parameter-shaped optimizer state (AdamW's moments,
     Muon's momentum); a one-row head leaves the second replica empty."""
-    from nobubble.distributed.fsdp import Rows
+    from nobubble.distributed.shard_comm import Rows
 
     pipe, _ = emulated(case)
     for stage in range(STAGES):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nobubble.distributed.fsdp import DpGroup, Rows
+from nobubble.distributed.shard_comm import DpGroup, Rows
 
 
 def newton_schulz(

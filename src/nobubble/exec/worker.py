@@ -251,7 +251,7 @@ class StageWorker:
     def _new_versions(self, schedule: Schedule, ledger: StageLedger) -> WeightVersions:
         if self.sharded is None:
             return WeightVersions(self.named, schedule, ledger)
-        return self.sharded.versions(self.named, schedule, ledger)  # type: ignore[no-any-return]
+        return self.sharded.versions(self.named, schedule, ledger)
 
     def _materialized(
         self, leaves: Sequence[torch.Tensor], version: int
@@ -259,7 +259,7 @@ class StageWorker:
         """Around an action on a sharded stage: ``leaves`` hold ``version``'s whole weights."""
         if self.sharded is None:
             return contextlib.nullcontext()
-        return self.sharded.materialized(self.versions, leaves, version)  # type: ignore[no-any-return]
+        return self.sharded.materialized(self.versions, leaves, version)
 
     # ----- forward -------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -533,7 +533,7 @@ class StageWorker:
 
     def grad_sq_norm(self) -> torch.Tensor:
         if self.sharded is not None:  # the shards' shares, summed over the dp group
-            return self.sharded.grad_sq_norm()  # type: ignore[no-any-return]
+            return self.sharded.grad_sq_norm()
         return grad_sq_norm(p for _, p in self.named)
 
     def _grads_finite(self) -> bool:
@@ -597,7 +597,7 @@ class StageWorker:
     def module_state(self) -> dict[str, torch.Tensor]:
         """A copy of the stage module's state dict, whole (a dp collective when sharded)."""
         state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        return state if self.sharded is None else self.sharded.gathered(state)  # type: ignore[no-any-return]
+        return state if self.sharded is None else self.sharded.gathered(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["stage"] != self.stage:
