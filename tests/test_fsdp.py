@@ -7,8 +7,9 @@ half of the emulator's micro-batch m. Not bitwise: each backward's gradient is r
 right away (the mean of the two replicas' sums of b rows, where the emulator takes one mean of
 2b rows and the replicated runtime averages once per step), and the gradient norm adds the two
 shards' squares; the same sums in another order differ in the last bits. So losses, gathered
-weights and checkpoint contents are compared within 1e-6 relative (per tensor, in norm; the
-runs below stay within about 3e-7); the two replicas' gathered weights with each other bitwise.
+weights and checkpoint contents are compared within 1e-6 relative (per tensor, in norm), error
+feedback's buffer and the Hugging Face Llama's weights and state within 1e-5 (reasons at
+RTOL_DISPLACEMENT and RTOL_STATE); the two replicas' gathered weights with each other bitwise.
 
 What the sharded runtime adds is checked bitwise against itself: a run resumed from its
 gathered checkpoint continues with the uninterrupted run's numbers, and ``ShardedMuon``'s step
@@ -19,6 +20,7 @@ processes (process start-up dominates on 2 cores), under NCCL's stream rules on 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 
 import pytest
@@ -33,7 +35,7 @@ from test_data_parallel import RTOL, relative_error
 
 STAGES, REPLICAS, STEPS, DRAIN = 2, 2, 4, 2
 # error feedback's buffer is the difference of two consecutive weights: its error is the
-# weights' (RTOL) times |x| / |x_after - x_before| (1.3e-6 seen for the 2bw Muon case)
+# weights' (RTOL) times |x| / |x_after - x_before| (above 1e-6 for the 2bw Muon case)
 RTOL_DISPLACEMENT = 1e-5
 RESUME_AT = 2  # a drain point: the checkpoint the resume case starts from
 
@@ -72,7 +74,12 @@ CASES: dict[str, tuple[str, str, dict]] = {
         {"recompute": True, "correction": "ef", "optimizer": "lion", "lr": 1e-3},
     ),
     "2bw-muon-ef": ("uneven", "2bw", {"optimizer": "muon", "correction": "ef", "lr": 2e-2}),
+    "llama-paci": ("llama", "paci", {}),  # a Hugging Face Llama's stages (test_hf.py's)
 }
+# AdamW turns last-bit differences of near-zero gradient entries (the embedding rows of tokens a
+# batch lacks) into lr-sized steps of either sign: weights and state of the Llama within 1e-5
+# (above 1e-6 here), as test_dist_data_parallel.py's GPT
+RTOL_STATE = {"llama-paci": 1e-5}
 RESUMED = "2bw-muon-ef"  # stashed version, EF buffer and Muon momentum in its checkpoint
 
 RANK_SCRIPT = """
@@ -84,7 +91,15 @@ torch.save(saved, f"{sys.argv[1]}/rank{saved['rank']}.pt")
 
 
 def get_problem(name: str) -> Problem:
+    if name == "llama":
+        import test_hf  # transformers only where a case needs it: seconds a process
+
+        return test_hf.LLAMA
     return UNEVEN if name == "uneven" else test_api.SEQ
+
+
+def runnable(case: str) -> bool:
+    return CASES[case][0] != "llama" or importlib.util.find_spec("transformers") is not None
 
 
 def feed(pipe: nobubble.Pipeline, problem: Problem, start: int, stop: int, sharded: bool) -> dict:
@@ -165,7 +180,7 @@ def muon_step_check(pipe: nobubble.Pipeline) -> float:
 def rank_main() -> dict:
     """Every case on this rank (rank_script's body)."""
     saved: dict = {}
-    for case in CASES:
+    for case in filter(runnable, CASES):
         pipe, problem = build(case)
         losses = feed(pipe, problem, 0, RESUME_AT, sharded=True)
         # gathered from the dp group (every replica calls it); a copy, as a file would be: the
@@ -209,7 +224,10 @@ def emulated(case: str) -> tuple[nobubble.Pipeline, list[float]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_replicas_equal_the_emulator_with_twice_the_micro_batch(case, ranks):
+    if not runnable(case):
+        pytest.skip("transformers is not installed")
     torch.set_num_threads(1)
+    rtol = RTOL_STATE.get(case, RTOL)
     pipe, ref_losses = emulated(case)
     runs = [part[case] for part in ranks]  # global rank = dp * P + pp
     last = [runs[d * STAGES + STAGES - 1] for d in range(REPLICAS)]
@@ -220,10 +238,10 @@ def test_sharded_replicas_equal_the_emulator_with_twice_the_micro_batch(case, ra
     for stage in range(STAGES):
         replica0, replica1 = runs[stage], runs[STAGES + stage]
         for name, value in pipe.stages[stage].named_parameters():
-            assert relative_error(replica0["weights"][name], value.detach()) <= RTOL, name
+            assert relative_error(replica0["weights"][name], value.detach()) <= rtol, name
             assert torch.equal(replica0["weights"][name], replica1["weights"][name]), name
         # the checkpoint part: whole tensors, the replicated format
-        assert_close_part(replica0["part"], pipe.stage_parts()[stage], f"stage{stage}")
+        assert_close_part(replica0["part"], pipe.stage_parts()[stage], f"stage{stage}", rtol)
         assert_close_part(replica0["part"], replica1["part"], f"stage{stage} replicas")
     val = pipe.evaluate(*get_problem(CASES[case][0]).batch(99))
     assert abs(last[0]["val"] - val) <= RTOL * abs(val)
