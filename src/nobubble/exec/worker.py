@@ -274,7 +274,8 @@ class StageWorker:
     def _weights(self, m: int, version: int) -> dict[str, torch.Tensor]:
         """The leaves micro-batch m's graph is built on: the master parameters themselves when
         the forward reads the current version and the stage takes no step before m's gradient
-        is done (every micro-batch of a synchronous schedule), else the version's aliases."""
+        is done (every micro-batch of a synchronous schedule), else the version's aliases (on a
+        sharded stage always its leaves, filled around each action)."""
         ledger = self.ledger
         if (
             self.sharded is None
