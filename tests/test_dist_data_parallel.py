@@ -158,6 +158,30 @@ def test_a_checkpoint_resumes_at_another_d_with_the_same_global_batch(
         assert_close(load_parts(first, STAGES)[stage], load_parts(emulated, STAGES)[stage], "")
 
 
+def test_sharded_replicas_train_as_the_emulator_and_resume_from_their_gathered_checkpoint(
+    emulated, corpus, tmp_path
+):
+    """--shard fsdp: each stage's parameters, gradients and AdamW state sharded over its two
+    replicas (FSDP2). Stopped at step 5 and resumed (each replica cutting its shards from the
+    checkpoint gathered per stage), the run gives the emulator's numbers with micro-batches
+    twice as large, within the replicated runs' tolerances; its checkpoint has the replicated
+    format, and the sample is drawn from the gathered weights."""
+    out = tmp_path / "sharded"
+    flags = [*dp_flags(corpus), "--shard", "fsdp", "--runtime", "dist", "--strict-p2p", "true"]
+    first = run_train(*flags, "--sample-tokens", "8", "--stop-at", str(EVERY), "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_train("--resume", str(out), "--runtime", "dist", "--no-progress")
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = numbers(read_metrics(out))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert_close(records, numbers(read_metrics(emulated)), "metrics")
+    for stage in range(STAGES):
+        assert_close(load_parts(out, STAGES)[stage], load_parts(emulated, STAGES)[stage], "")
+    assert (out / "sample.txt").read_text().strip()
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["shard"] == "fsdp"
+
+
 # ----- bad inputs: refused before any process starts or any file is written ---------------------
 def listing(folder: Path) -> list[tuple[str, int]]:
     return sorted((str(p), p.stat().st_mtime_ns) for p in folder.rglob("*"))

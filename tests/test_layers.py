@@ -36,6 +36,9 @@ LAYERS = {
     "distributed.clock": 2,
     "distributed.api": 2,
     "distributed.data_parallel": 2,  # the dp all-reduce, beside the transport
+    "distributed.fsdp": 2,  # sharding within a stage (FSDP2), beside it
+    "distributed.sharded_muon": 2,
+    "distributed.shard_comm": 2,
     "config": 3,
     "train": 3,
     "checkpoint": 3,

@@ -202,6 +202,7 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate")
         timeout=cfg.dist_timeout,
         data_parallel=cfg.data_parallel,
         bucket_mb=cfg.bucket_mb,
+        shard=cfg.shard,
     )
 
 

@@ -31,6 +31,7 @@ from nobubble.hf import check_installed, config_layers
 from nobubble.model import MODEL_PRESETS, model_config
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
 from nobubble.optim import CORRECTIONS, OPTIMIZERS, OptimConfig
+from nobubble.optim.config import SHARDED_OPTIMIZERS
 
 DTYPES = ("fp32", "bf16")
 CLIP_SCOPES = ("auto", "stage", "global")
@@ -44,6 +45,7 @@ MEMORY_SHARE = 0.8
 PROCESS_BYTES = 2**29
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
+SHARDS = ("none", "fsdp")  # within a stage: replicated, or FSDP2 over its dp group
 # Fields that change the numbers of a run; a checkpoint only resumes a run that agrees on them.
 RUNTIME_ONLY = (
     "out",
@@ -60,6 +62,7 @@ RUNTIME_ONLY = (
     "strict_p2p",
     "data_parallel",  # the fingerprint holds the global micro-batch instead (resume at any D)
     "bucket_mb",
+    "shard",  # a sharded stage's checkpoint is gathered: the replicated format
 )
 
 
@@ -94,7 +97,9 @@ class TrainConfig:
     data_parallel: D pipeline replicas (--runtime dist): P·D processes; each stage averages its
         gradients over its D replicas before every step. ``micro_batch_size`` is per replica:
         the run reads global micro-batches of D·micro_batch_size sequences, replica r the r-th
-        slice of each. bucket_mb: the all-reduce's bucket size.
+        slice of each. bucket_mb: the all-reduce's bucket size. shard: none | fsdp (each
+        stage's parameters, gradients and optimizer state sharded across its D replicas with
+        FSDP2; needs data_parallel >= 2 and adamw, nadam, lion or muon).
     model: a preset (tiny, mini, ...) or hf:PATH, a Hugging Face model folder or config.json
         (Llama family or GPT-2; a config alone gets a random init from --seed).
     untie_embeddings: a Hugging Face model with tied embeddings trains its head as a separate
@@ -146,6 +151,7 @@ class TrainConfig:
     untie_embeddings: bool = False
     data_parallel: int = 1
     bucket_mb: float = 25.0
+    shard: str = "none"
 
     def __post_init__(self) -> None:
         _choice("schedule", self.schedule, SCHEDULE_NAMES)
@@ -265,6 +271,24 @@ class TrainConfig:
             )
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"--bucket-mb {self.bucket_mb!r}: use a bucket size in MB > 0")
+        _choice("shard", self.shard, SHARDS)
+        if self.shard == "fsdp" and self.data_parallel < 2:
+            raise ValueError(
+                "--shard fsdp shards each stage across its data-parallel replicas: give it "
+                "--data-parallel 2 or more (with --runtime dist), or drop --shard"
+            )
+        if self.shard == "fsdp" and self.correction == "predict":
+            raise ValueError(
+                "--shard fsdp with --correction predict: a prediction is a whole-stage weight "
+                "copy, which the sharded versions do not keep; use --correction ef or delay-lr, "
+                "or drop --shard"
+            )
+        if self.shard == "fsdp" and self.optimizer not in SHARDED_OPTIMIZERS:
+            raise ValueError(
+                f"--shard fsdp with --optimizer {self.optimizer}: its update reads whole "
+                f"matrices and has not been written for sharded parameters; use one of "
+                f"{', '.join(SHARDED_OPTIMIZERS)}, or drop --shard"
+            )
         if self.paci_recompute and self.schedule != "paci":
             raise ValueError("--paci-recompute applies to --schedule paci only")
         every = self.checkpoint_every

@@ -194,6 +194,12 @@ class Pipeline:
             ``bucket_mb`` MB buckets). Each process feeds its replica's batch: ``shard`` cuts it
             from a global batch, so that D replicas with micro-batches of b train as one
             pipeline with micro-batches of D·b (up to the order of the average's additions).
+        shard: with data_parallel=D >= 2, "fsdp" shards each stage's parameters, gradients and
+            optimizer state across its D replicas with torch's FSDP2 (``fully_shard``): each
+            action gathers the weights it reads and each backward reduce-scatters its
+            gradients (docs/runtime.md); "none" (default) replicates them. Optimizers: adamw,
+            nadam, lion, muon (Newton-Schulz on the gathered matrix) or a callable, which gets
+            the DTensor parameters.
         steps: the total number of steps, when known: the schedule then ends there (the last
             drain keeps no weight version for a batch that will not come); None: open-ended.
     """
@@ -224,6 +230,7 @@ class Pipeline:
         timeout: float = 600.0,
         data_parallel: int = 1,
         bucket_mb: float = 25.0,
+        shard: str = "none",
     ) -> None:
         self.stages = _check_stages(stages)
         if steps is not None and (
@@ -327,6 +334,18 @@ class Pipeline:
         self.data_parallel, self.bucket_mb = _check_data_parallel(
             data_parallel, bucket_mb, runtime, where.num_ranks, self.num_stages
         )
+        if shard == "fsdp" and correction == "predict":
+            raise ValueError(
+                "correction='predict' with shard='fsdp': a prediction is a whole-stage weight "
+                "copy, which the sharded versions do not keep; use correction='ef' or "
+                "'delay-lr', or shard='none'"
+            )
+        # "none" or "fsdp" (``Pipeline.shard`` is the method that cuts a batch)
+        self.sharding = (
+            shard
+            if shard == "none"
+            else _fsdp().check_shard(shard, data_parallel, optimizer, self.ties)
+        )
         self.mesh = (
             None
             if runtime == "emulate"
@@ -342,6 +361,12 @@ class Pipeline:
         self.workers: list[StageWorker] = []
         for s in self.local:
             module = self.stages[s]
+            # FSDP2 shards the stage now: its optimizer is built over the sharded parameters
+            fsdp = (
+                None
+                if self.sharding == "none"
+                else _fsdp().shard_stage(module, self.mesh, timeout, s)
+            )
             named = list(module.named_parameters())
             stage_opt: StageOptimizer | TorchOptimizer
             if callable(optimizer):
@@ -367,6 +392,8 @@ class Pipeline:
                     ocfg, named, adamw_names=_adamw_matrices(module), require_muon=False
                 )
                 lr_fn = _scaled(lr, lr_schedule)
+                if fsdp is not None:
+                    stage_opt = _fsdp().shard_optimizer(fsdp, stage_opt)
             correction_s = make_correction(correction, ef_lambda, delay_lr_steps or 1)
             self.workers.append(
                 StageWorker(
@@ -381,6 +408,7 @@ class Pipeline:
                     autocast_dtype=DTYPES[dtype],
                     recompute=recompute,
                     loss_fn=loss_fn if s == self.num_stages - 1 else None,
+                    sharded=fsdp,
                 )
             )
         for worker in self.workers:
@@ -606,9 +634,8 @@ class Pipeline:
         weights: in flight, the newest version of every stage. With runtime="dist" every rank
         gathers every stage's (a collective: call it on every rank; tensors on the CPU)."""
         state: dict[str, torch.Tensor] = {}
-        for s in self.local:
-            for name, tensor in self.stages[s].state_dict().items():
-                state[name] = tensor.detach().clone()
+        for s in self.local:  # whole tensors (a dp collective when the stages are sharded)
+            state.update(self.by_stage[s].module_state())
         if self.mesh is not None:
             return _dist().gather_state(state, self.mesh.pp_group)
         return state
@@ -680,6 +707,13 @@ def _dist() -> Any:
     from nobubble.distributed import api
 
     return api
+
+
+def _fsdp() -> Any:
+    """Sharding within a stage (layer 2), imported only with shard="fsdp"."""
+    from nobubble.distributed import fsdp
+
+    return fsdp
 
 
 def _check_data_parallel(

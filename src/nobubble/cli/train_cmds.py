@@ -43,6 +43,8 @@ HELP = {
     "data_parallel": "D pipeline replicas (--runtime dist: stages × D processes); "
     "--micro-batch-size is per replica",
     "bucket_mb": "bucket size (MB) of the data-parallel gradient all-reduce",
+    "shard": "none | fsdp: shard each stage's parameters, gradients and optimizer state "
+    "across its --data-parallel replicas (FSDP2)",
 }
 
 
@@ -65,6 +67,7 @@ def build_train_parser() -> argparse.ArgumentParser:
         "schedule": SCHEDULE_NAMES,
         "optimizer": OPTIMIZERS,
         "tokenizer": TOKENIZERS,
+        "shard": ("none", "fsdp"),
     }
     p = argparse.ArgumentParser(
         prog="nobubble train", description="Train a language model under a pipeline schedule."

@@ -43,7 +43,7 @@ from nobubble.distributed.transport import (
     shutdown,
 )
 from nobubble.exec import Interpreter, StageWorker
-from nobubble.exec.tree import call_args, differentiable, pack_grads, tensor_leaves, unpack_grads
+from nobubble.exec.tree import differentiable, pack_grads, tensor_leaves, unpack_grads
 from nobubble.exec.worker import Tie, TieMeeting, tied_square
 
 Spec = tuple[str, list[tuple[tuple[int, ...], torch.dtype]]]  # treespec, leaf shapes and dtypes
@@ -319,9 +319,15 @@ class RankRunner:
             self.schedule,
             self.pipe.meets,
             self.pipe.drains,
-            data_parallel=self.pipe.data_parallel > 1,
+            data_parallel=self._all_reduces,
         )
         return plans[self.rank]
+
+    @property
+    def _all_reduces(self) -> bool:
+        """Whether a STEP waits for the dp all-reduce (replicated data parallelism; a sharded
+        stage reduce-scatters inside each backward instead, distributed/fsdp.py)."""
+        return self.pipe.data_parallel > 1 and self.pipe.sharding == "none"
 
     def set_schedule(self, schedule: Schedule) -> None:
         self.schedule = schedule
@@ -356,9 +362,7 @@ class RankRunner:
                 inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(spec[0]))
             if stage == self.num_stages - 1:
                 continue
-            args, kwargs = call_args(inputs)
-            with torch.no_grad(), worker.autocast():
-                handed = worker.module(*args, **kwargs)
+            handed = worker.infer(inputs)  # no gradient; a sharded stage gathers its weights
             if not differentiable(handed):
                 raise TypeError(f"stage {stage} output holds no floating tensor to train through")
             if self._remote(stage + 1):
@@ -386,7 +390,7 @@ class RankRunner:
         self.transport.fed = lambda message: message.number // m < self.pipe.fed
         mesh, dp = self.pipe.mesh, self.pipe.data_parallel
         # data parallelism runs one stage per rank (Pipeline refuses more)
-        reducer = GradReducer(self.worker, dp, self.pipe.bucket_mb) if dp > 1 else None
+        reducer = GradReducer(self.worker, dp, self.pipe.bucket_mb) if self._all_reduces else None
         self.transport.use_mesh(self.ranks, mesh.pp_group, reducer, mesh.dp_group)
         clock = {"clock": options["clock"]} if "clock" in options else {}
         self.interpreter = Interpreter(

@@ -150,7 +150,7 @@ class RankRun:
             self.plan.schedule,
             self.pipe.meets,
             self.plan.drain_points,
-            data_parallel=cfg.data_parallel > 1,
+            data_parallel=cfg.data_parallel > 1 and cfg.shard == "none",
         )
         release_others(stages, self.local)
         if manifest is not None:
@@ -289,9 +289,13 @@ class RankRun:
         every = self.cfg.checkpoint_every
         if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
-            if self.dp == 0:  # one part per stage: the replicas hold the same state
+            # one part per stage, written by dp 0; a sharded stage's part is gathered from its
+            # dp group first (whole tensors, the replicated format), so every replica takes part
+            if self.dp == 0 or self.cfg.shard != "none":
                 for worker in self.workers:
-                    save_part(staging_dir(self.run_dir, step), worker.stage, worker.state_dict())
+                    part = worker.state_dict()
+                    if self.dp == 0:
+                        save_part(staging_dir(self.run_dir, step), worker.stage, part)
             self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
                 finalize(
@@ -387,11 +391,7 @@ class RankRun:
             "peaks": [
                 (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live) for w in self.workers
             ],
-            "state": (
-                {k: v.cpu() for w in self.workers for k, v in w.module.state_dict().items()}
-                if self.cfg.sample_tokens and self.dp == 0
-                else {}
-            ),
+            "state": self._sample_state(),
             "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
         }
         gathered: list[Any] = [None] * self.env.world_size
@@ -399,6 +399,14 @@ class RankRun:
         if self.rank != self.last:
             return None
         return write_outputs(self, gathered)
+
+    def _sample_state(self) -> dict[str, torch.Tensor]:
+        """The weights the last rank samples text from: replica 0's stages, whole (a sharded
+        stage gathers them from its dp group, so every replica takes part)."""
+        if not self.cfg.sample_tokens or (self.dp and self.cfg.shard == "none"):
+            return {}
+        state = {k: v.cpu() for w in self.workers for k, v in w.module_state().items()}
+        return state if self.dp == 0 else {}
 
 
 def _by_stage(gathered: list[dict[str, Any]], values: list[list[Any]]) -> list[Any]:
@@ -571,10 +579,11 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         elif posted:
             names = ", ".join(_coordinates(cfg, r, run) for r in posted)
             waiting = f", posting its transfers with rank{'s' if len(posted) > 1 else ''} {names}"
-        elif run.current.kind == STEP and cfg.data_parallel > 1:
+        elif cfg.data_parallel > 1 and (run.current.kind == STEP or cfg.shard != "none"):
             peers = [d * cfg.stages + run.pp for d in range(cfg.data_parallel) if d != run.dp]
             names = ", ".join(_coordinates(cfg, r, run) for r in peers)
-            waiting = f", in the dp all-reduce with rank{'s' if len(peers) > 1 else ''} {names}"
+            what = "all-reduce" if cfg.shard == "none" else "collectives of the sharded stage"
+            waiting = f", in the dp {what} with rank{'s' if len(peers) > 1 else ''} {names}"
         where = f"at position {run.position} ({run.current}){waiting}"
     run_dir = run.run_dir if run is not None else (cfg.resume or cfg.out)
     try:

@@ -189,6 +189,7 @@ class StageWorker:
         recompute: bool = False,
         *,
         loss_fn: LossFn | None = None,
+        sharded: Any = None,
     ) -> None:
         self.module, self.schedule, self.ledger = module, schedule, ledger
         self.stage, self.num_stages = ledger.stage, schedule.num_stages
@@ -208,7 +209,11 @@ class StageWorker:
             )
         # the stage's declared device: inputs, state and buffers must all live there
         self.device = self.named[0][1].device
-        self.versions = WeightVersions(self.named, schedule, ledger, predict=correction.predicts)
+        # a stage sharded over its dp group (distributed/fsdp.py's FSDPStage): its parameters
+        # are DTensor shards; it gathers the weights each action reads and reduce-scatters the
+        # gradients each backward makes
+        self.sharded = sharded
+        self.versions = self._new_versions(schedule, ledger)
         self.saved: dict[int, Saved] = {}
         self.pending: dict[int, Pending] = {}  # split backward: I ran, W not yet
         self.backwards_in_batch = 0
@@ -236,14 +241,26 @@ class StageWorker:
         if fresh:
             assert not self.saved and self.backwards_in_batch == 0, "a new segment mid-batch"
             peak = self.versions.peak_live  # the most over the whole run, segments included
-            self.versions = WeightVersions(
-                self.named, schedule, ledger, predict=self.correction.predicts
-            )
+            self.versions = self._new_versions(schedule, ledger)
             self.versions.peak_live = peak
             self.forwards = 0
         else:
             self.versions.extend(schedule, ledger)
         self.schedule, self.ledger = schedule, ledger
+
+    def _new_versions(self, schedule: Schedule, ledger: StageLedger) -> WeightVersions:
+        if self.sharded is None:
+            return WeightVersions(self.named, schedule, ledger, predict=self.correction.predicts)
+        assert not self.correction.predicts, "Pipeline refuses predict with shard='fsdp'"
+        return self.sharded.versions(self.named, schedule, ledger)
+
+    def _materialized(
+        self, leaves: Sequence[torch.Tensor], version: int
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Around an action on a sharded stage: ``leaves`` hold ``version``'s whole weights."""
+        if self.sharded is None:
+            return contextlib.nullcontext()
+        return self.sharded.materialized(self.versions, leaves, version)
 
     # ----- forward -------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -260,10 +277,12 @@ class StageWorker:
         weights it reads (tau > 0: a prediction, ``exec.versions``): the master parameters
         themselves when the forward reads the current version and the stage takes no step
         before m's gradient is done (every micro-batch of a synchronous schedule), else the
-        version's aliases or the prediction's own tensors."""
+        version's aliases or the prediction's own tensors (on a sharded stage always its
+        leaves, filled around each action)."""
         ledger, (version, tau) = self.ledger, key
         if (
-            tau == 0
+            self.sharded is None
+            and tau == 0
             and version == self.versions.current
             and ledger.fwd_current[m] == version
             and ledger.applied_step[m] == version + 1
@@ -354,12 +373,13 @@ class StageWorker:
             expect_device(t, self.device, f"the input of micro-batch {m}")
         self.in_spec = self._check_boundary(inputs, "input", m, self.in_spec)
         if self.recompute:  # keep only the stage input; the graph is rebuilt at backward
-            with torch.no_grad():
+            with torch.no_grad(), self._materialized(list(weights.values()), version):
                 out = self._run(weights, inputs, m)
             saved_out = None
             nbytes = sum(t.numel() * t.element_size() for t in _tensors(inputs))
         else:
-            out = self._run(weights, inputs, m)
+            with self._materialized(list(weights.values()), version):
+                out = self._run(weights, inputs, m)
             saved_out, nbytes = out, self._saved_bytes
         self.saved[m] = Saved(version, weights, inputs, saved_out, nbytes)
         self._track_memory()
@@ -376,8 +396,13 @@ class StageWorker:
         output, or on the last stage the loss of ``targets`` (nothing saved, no version read)."""
         inputs = self._to_device(inputs)
         args, kwargs = call_args(inputs)
-        with self.autocast():
-            out = self.module(*args, **kwargs)
+        current = self.versions.current
+        weights = self.master if self.sharded is None else self.versions.get((current, 0))
+        with self.autocast(), self._materialized(list(weights.values()), current):
+            if weights is self.master:
+                out = self.module(*args, **kwargs)
+            else:
+                out = functional_call(self.module, weights, args, kwargs)
             if not self.is_last:
                 return out
             assert self.loss_fn is not None
@@ -415,16 +440,17 @@ class StageWorker:
     def backward(self, m: int, grad_out: Tree | None) -> Tree | None:
         """Backward of micro-batch m; return the gradient for the previous stage (or None)."""
         saved = self.saved.pop(m)
-        weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
-        leaves = list(weights.values())
-        input_leaves = [] if self.is_first else differentiable(saved.inputs)
-        with self._reducing(m, leaves) as done:
-            grads = torch.autograd.grad(
-                outputs,
-                input_leaves + leaves,
-                grad_outputs=grad_outputs,
-                materialize_grads=True,  # an input or weight the outputs do not use gets zeros
-            )
+        with self._materialized(self._backward_leaves(m, saved), self.ledger.bwd_version[m]):
+            weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
+            leaves = list(weights.values())
+            input_leaves = [] if self.is_first else differentiable(saved.inputs)
+            with self._reducing(m, leaves) as done:
+                grads = torch.autograd.grad(
+                    outputs,
+                    input_leaves + leaves,
+                    grad_outputs=grad_outputs,
+                    materialize_grads=True,  # an input or weight the outputs do not use: zeros
+                )
         grads_in = list(grads[: len(input_leaves)])
         held = [*(grad_outputs or []), *grads_in]
         self._accumulate(m, grads[len(input_leaves) :], held, done)
@@ -436,10 +462,11 @@ class StageWorker:
         """I, the first half of a split backward: the gradient for the previous stage (None
         on the first stage); what W needs stays in ``pending`` (``exec.split``)."""
         saved = self.saved.pop(m)
-        weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
-        leaves = list(weights.values())
-        input_leaves = [] if self.is_first else differentiable(saved.inputs)
-        grads_in, work = input_backward(outputs, grad_outputs, input_leaves, leaves)
+        with self._materialized(self._backward_leaves(m, saved), self.ledger.bwd_version[m]):
+            weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
+            leaves = list(weights.values())
+            input_leaves = [] if self.is_first else differentiable(saved.inputs)
+            grads_in, work = input_backward(outputs, grad_outputs, input_leaves, leaves)
         held = [*(grad_outputs or []), *grads_in]  # what B's accumulation keeps apart too
         self.pending[m] = Pending(leaves, work, held, saved.activation_bytes)
         self._backward_done(m)
@@ -452,10 +479,20 @@ class StageWorker:
         # the dp buckets from inside as B does; W's per-group calls give a weight that several
         # groups reach only a partial gradient per call, so they launch when W returns
         whole = pending.work.whole is not None
-        with self._reducing(m, pending.weights) if whole else _nothing() as done:
+        with (
+            self._materialized(pending.weights, self.ledger.bwd_version[m]),
+            self._reducing(m, pending.weights) if whole else _nothing() as done,
+        ):
             grads = weight_backward(pending.work, pending.weights)
         self._accumulate(m, grads, pending.held, done)
         self.backwards_in_batch += 1
+
+    def _backward_leaves(self, m: int, saved: Saved) -> list[torch.Tensor]:
+        """The leaves micro-batch m's backward differentiates: the forward's, or in recompute
+        mode those of the version it recomputes at."""
+        if self.recompute:
+            return list(self._weights(m, (self.ledger.bwd_version[m], 0)).values())
+        return list(saved.weights.values())
 
     def _last_of_batch(self) -> bool:
         """Whether the backward running now (B, or W of a split backward) completes the batch."""
@@ -478,6 +515,9 @@ class StageWorker:
         """Accumulate the weight gradients the dp hooks did not (``done``: all, or none); the
         batch's last backward then launches the buckets still waiting (weights it never
         reached)."""
+        if self.sharded is not None:  # reduce-scattered into the sharded .grad right away
+            self.sharded.accumulate(grads)
+            return
         params = [p for _, p in self.named]
         rest = [i for i in range(len(params)) if i not in done]
         accumulate_grads([params[i] for i in rest], [grads[i] for i in rest], held)
@@ -498,7 +538,14 @@ class StageWorker:
         return self.backwards_in_batch == self.schedule.num_microbatches
 
     def grad_sq_norm(self) -> torch.Tensor:
+        if self.sharded is not None:  # the shards' shares, summed over the dp group
+            return self.sharded.grad_sq_norm()
         return grad_sq_norm(p for _, p in self.named)
+
+    def _grads_finite(self) -> bool:
+        if self.sharded is not None:
+            return bool(self.sharded.grads_finite())
+        return grads_finite([p for _, p in self.named])
 
     def _tied_here(self) -> list[str]:
         return [n for t in self.ties for s, n in ((t[0], t[1]), (t[2], t[3])) if s == self.stage]
@@ -540,7 +587,7 @@ class StageWorker:
     def state_dict(self) -> dict[str, Any]:
         """Everything this stage needs to continue from a drain point."""
         assert not self.saved and self.backwards_in_batch == 0, "checkpoint only at a drain point"
-        return {
+        state = {
             "stage": self.stage,
             "module": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
@@ -549,6 +596,14 @@ class StageWorker:
             "peak_saved": self.peak_saved,
             "peak_activation_bytes": self.peak_activation_bytes,
         }
+        if self.sharded is not None:  # whole tensors: a dp collective, on every replica
+            state = self.sharded.gathered(state)
+        return state
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the stage module's state dict, whole (a dp collective when sharded)."""
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return state if self.sharded is None else self.sharded.gathered(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["stage"] != self.stage:
@@ -556,6 +611,8 @@ class StageWorker:
                 f"checkpoint part of stage {state['stage']} given to stage {self.stage}"
             )
         state = to_device(state, self.device)  # EF buffers and stashed versions included
+        if self.sharded is not None:  # this replica's shards of the whole tensors
+            state = self.sharded.scattered(state, self.optimizer)
         with torch.no_grad():
             for name, p in self.named:
                 p.copy_(state["module"][name])
@@ -587,7 +644,7 @@ class StageWorker:
         # A non-finite entry makes the norm non-finite, so the norm (read anyway) screens every
         # step for free; only a non-finite norm pays the exact pass, which tells a non-finite
         # gradient of this stage from an overflowing square or another stage's.
-        if not math.isfinite(norm) and not grads_finite(params):
+        if not math.isfinite(norm) and not self._grads_finite():
             raise FloatingPointError(
                 f"stage {self.stage}, step {step}: non-finite gradients; lower --lr, enable "
                 "clipping (--clip 1.0) or train in fp32 (--dtype fp32)"

@@ -13,6 +13,9 @@ from nobubble.optim.library import LIBRARY_OPTIMIZERS, check_installed
 
 # The first four are torch's or written here; the library ones need the ``optim`` extra.
 OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "nadam", "lion", *LIBRARY_OPTIMIZERS)
+# the named optimizers a stage sharded over its dp group runs (shard="fsdp"): the elementwise
+# ones run on each shard as on the whole tensor, Muon's Newton-Schulz on the gathered matrix
+SHARDED_OPTIMIZERS: tuple[str, ...] = ("adamw", "nadam", "lion", "muon")
 
 # Betas used when `OptimConfig.betas` is None. Lion's own paper (arXiv 2302.06675) recommends
 # (0.9, 0.99); the Adam family uses the LM-pretraining default (0.9, 0.95).
