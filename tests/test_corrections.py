@@ -220,3 +220,14 @@ def test_cli_refuses_delay_lr_steps_without_its_correction() -> None:
         TrainConfig(schedule="paci", correction="ef", delay_lr_steps=10)
     assert TrainConfig(schedule="paci", correction="delay-lr", steps=40).delay_lr_span == 10
     assert TrainConfig(schedule="paci", correction="delay-lr", delay_lr_steps=7).delay_lr_span == 7
+
+
+def test_prediction_with_a_sharded_stage_is_refused() -> None:
+    from nobubble.config import TrainConfig
+
+    with pytest.raises(ValueError, match="shard='fsdp'"):
+        _pipe_kw(correction="predict", shard="fsdp", data_parallel=2)
+    with pytest.raises(ValueError, match="--shard fsdp with --correction predict"):
+        TrainConfig(
+            schedule="paci", correction="predict", shard="fsdp", data_parallel=2, runtime="dist"
+        )
