@@ -277,6 +277,12 @@ class Pipeline:
                 f"delay_lr_steps={delay_lr_steps!r} applies to correction='delay-lr' only, not "
                 f"{correction!r}: drop it or use correction='delay-lr'"
             )
+        if shard == "fsdp" and correction == "predict":
+            raise ValueError(
+                "correction='predict' with shard='fsdp': a prediction is a whole-stage weight "
+                "copy, which the sharded versions do not keep; use correction='ef' or "
+                "'delay-lr', or shard='none'"
+            )
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is unknown: use one of {tuple(DTYPES)}")
         if recompute and schedule != "paci":
@@ -334,12 +340,6 @@ class Pipeline:
         self.data_parallel, self.bucket_mb = _check_data_parallel(
             data_parallel, bucket_mb, runtime, where.num_ranks, self.num_stages
         )
-        if shard == "fsdp" and correction == "predict":
-            raise ValueError(
-                "correction='predict' with shard='fsdp': a prediction is a whole-stage weight "
-                "copy, which the sharded versions do not keep; use correction='ef' or "
-                "'delay-lr', or shard='none'"
-            )
         # "none" or "fsdp" (``Pipeline.shard`` is the method that cuts a batch)
         self.sharding = (
             shard
