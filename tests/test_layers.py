@@ -36,6 +36,7 @@ LAYERS = {
     "distributed.clock": 2,
     "distributed.api": 2,
     "distributed.data_parallel": 2,  # the dp all-reduce, beside the transport
+    "distributed.staging": 2,  # gloo on a GPU: the transport's tensors through host memory
     "config": 3,
     "train": 3,
     "checkpoint": 3,
