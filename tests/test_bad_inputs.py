@@ -112,6 +112,48 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="4 ranks on this machine need 4 GPUs, but 2 are visible"):
         resolve_device(cfg, local_rank=0, local_world_size=4)
     assert resolve_device(cfg, 1, 2) == (torch.device("cuda", 1), "nccl")
+    with pytest.raises(ValueError, match="or --backend gloo to share the GPUs between ranks"):
+        resolve_device(cfg, local_rank=0, local_world_size=4)
+
+
+def test_gloo_lets_ranks_share_the_gpus(monkeypatch):
+    """The one-GPU debugging mode: any number of ranks, rank r on GPU r mod the GPUs."""
+    from nobubble.distributed.runtime import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = TrainConfig(stages=4, runtime="dist", device="cuda", backend="gloo")
+    assert [resolve_device(cfg, r, 4) for r in range(4)] == [(torch.device("cuda", 0), "gloo")] * 4
+
+
+@pytest.mark.parametrize(
+    ("backend", "runtime", "message"),
+    [
+        ("mpi", "dist", "backend='mpi' is unknown: use 'nccl', 'gloo' or None"),
+        ("gloo", "emulate", "backend='gloo' applies to runtime='dist'"),
+    ],
+)
+def test_a_bad_pipeline_backend_is_refused_before_any_work(backend, runtime, message):
+    import nobubble
+
+    stages = nobubble.split(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), 2)
+    with pytest.raises(ValueError, match=message):
+        nobubble.Pipeline(stages, torch.nn.functional.mse_loss, runtime=runtime, backend=backend)
+
+
+def test_nccl_for_a_stage_on_the_cpu_is_refused_before_the_group_starts(monkeypatch):
+    import torch.distributed as dist
+
+    from nobubble.distributed.api import join
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: a started group would hang
+    stages = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with pytest.raises(ValueError, match="backend='nccl' moves GPU tensors only, but this rank"):
+        join(2, stages, backend="nccl")
+    assert not dist.is_initialized()
 
 
 def test_device_flags_with_the_emulator_are_refused():

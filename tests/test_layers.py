@@ -39,6 +39,7 @@ LAYERS = {
     "distributed.fsdp": 2,  # sharding within a stage (FSDP2), beside it
     "distributed.sharded_muon": 2,
     "distributed.shard_comm": 2,
+    "distributed.staging": 2,  # gloo on a GPU: the transport's tensors through host memory
     "config": 3,
     "train": 3,
     "checkpoint": 3,

@@ -91,7 +91,8 @@ class TrainConfig:
         that way, and every process is gone within it + 6 s. master_port: rendezvous port
         (0: a free one).
     device: auto (cuda when available, else cpu) | cpu | cuda: where each rank's stage runs.
-    backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl.
+    backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl (gloo on cuda: ranks share GPUs,
+        every transfer through host memory; a debugging mode, docs/runtime.md).
     strict_p2p: run point-to-point under NCCL's completion rules on any backend (one stream per
         rank; a testing aid that makes an order NCCL would deadlock on hang on gloo too).
     data_parallel: D pipeline replicas (--runtime dist): P·D processes; each stage averages its

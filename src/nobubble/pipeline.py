@@ -188,6 +188,11 @@ class Pipeline:
             interleaved-1f1b's r, r+P, ... and zbv's r and 2P-1-r).
         timeout: seconds a "dist" rank waits for a peer before it reports which one it waited
             for.
+        backend: with runtime="dist", the process group's backend when the pipeline starts it:
+            "nccl", or "gloo" (None: NCCL for stages on a GPU, else gloo). gloo with stages on a
+            GPU moves every tensor through host memory, so several ranks can share one GPU, to
+            debug (NCCL refuses two ranks on one GPU; docs/runtime.md). A group already started
+            is used as it is, and must have this backend.
         data_parallel: with runtime="dist", D replicas of the pipeline: the world is P·D
             processes on a DeviceMesh with dims ("dp", "pp"), and before each of its steps a
             stage averages its gradients over its D replicas (a bucketed all-reduce of
@@ -231,6 +236,7 @@ class Pipeline:
         data_parallel: int = 1,
         bucket_mb: float = 25.0,
         shard: str = "none",
+        backend: str | None = None,
     ) -> None:
         self.stages = _check_stages(stages)
         if steps is not None and (
@@ -258,6 +264,7 @@ class Pipeline:
         if not (isinstance(timeout, int | float) and timeout > 0):
             raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0")
         self.timeout = float(timeout)
+        _check_backend(backend, runtime)
         if correction not in CORRECTIONS:
             raise ValueError(f"correction={correction!r} is unknown: use one of {CORRECTIONS}")
         if correction != "none" and info.synchronous:
@@ -349,7 +356,7 @@ class Pipeline:
         self.mesh = (
             None
             if runtime == "emulate"
-            else _dist().join(self.num_stages, self.stages, where, data_parallel)
+            else _dist().join(self.num_stages, self.stages, where, data_parallel, backend)
         )
         # this process's pipeline rank (its pp coordinate) and its replica (dp coordinate)
         self.rank = None if self.mesh is None else self.mesh.pp_rank
@@ -714,6 +721,18 @@ def _fsdp() -> Any:
     from nobubble.distributed import fsdp
 
     return fsdp
+
+
+def _check_backend(backend: Any, runtime: str) -> None:
+    if backend is None:
+        return
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is unknown: use 'nccl', 'gloo' or None")
+    if runtime != "dist":
+        raise ValueError(
+            f"backend={backend!r} applies to runtime='dist'; the emulator runs every stage in "
+            "this process: leave backend=None"
+        )
 
 
 def _check_data_parallel(

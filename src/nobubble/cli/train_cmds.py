@@ -38,7 +38,8 @@ HELP = {
     "dist_timeout": "seconds to wait for a peer rank before failing",
     "master_port": "rendezvous port of --runtime dist (0: pick a free one)",
     "device": "auto (cuda when available) | cpu | cuda: where --runtime dist runs each stage",
-    "backend": "auto (nccl on cuda, gloo on cpu) | gloo | nccl",
+    "backend": "auto (nccl on cuda, gloo on cpu) | gloo | nccl; gloo with --device cuda lets "
+    "ranks share a GPU, every transfer through host memory (to debug)",
     "strict_p2p": "enforce NCCL's point-to-point rules on any backend (testing aid)",
     "data_parallel": "D pipeline replicas (--runtime dist: stages × D processes); "
     "--micro-batch-size is per replica",

@@ -35,6 +35,7 @@ from nobubble.core.comm import GATHER, Batch, check_communication
 from nobubble.core.ir import STEP, Action, F, Schedule
 from nobubble.core.placement import Placement, one_per_rank
 from nobubble.distributed.data_parallel import GradReducer
+from nobubble.distributed.staging import Arrival, HostStaged, stage_ops
 from nobubble.distributed.transport import (
     EVAL_TAG_BASE,
     DistTransport,
@@ -69,11 +70,13 @@ def join(
     stages: Sequence[nn.Module],
     placement: Placement | None = None,
     data_parallel: int = 1,
+    backend: str | None = None,
 ) -> Mesh:
     """Join (or start, from torchrun's environment) the process group and lay the world out
     as a ``(data_parallel, ranks)`` DeviceMesh with dims ("dp", "pp"); pipeline rank r runs the
     stages ``placement`` gives it (default: stage r). The world must hold one process per
-    pipeline rank and replica."""
+    pipeline rank and replica. ``backend`` starts the group with that backend (None: NCCL for
+    stages on a GPU, else gloo), or must be the backend of the group already started."""
     where = placement or one_per_rank(num_stages)
     ranks = where.num_ranks
     world_needed = ranks * data_parallel
@@ -93,18 +96,31 @@ def join(
             raise ValueError(_world_error(world_env, world_needed, how))
         first = where.stages_of(int(os.environ["RANK"]) % ranks)[0]
         device = next(stages[first].parameters()).device
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(
+                f"backend='nccl' moves GPU tensors only, but this rank's stage {first} is on "
+                f"{device}: move it to a GPU, or use backend='gloo'"
+            )
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=600))
+    elif backend is not None and dist.get_backend() != backend:
+        raise ValueError(
+            f"backend={backend!r}, but the process group was started with "
+            f"{dist.get_backend()!r}: leave backend=None to use the group as started, or start "
+            f"it with {backend!r}"
+        )
     world = dist.get_world_size()
     if world != world_needed:
         raise ValueError(_world_error(world, world_needed, how))
     device = next(stages[where.stages_of(dist.get_rank() % ranks)[0]].parameters()).device
+    # gloo moves host memory (stages on a GPU included: staging.py), so its mesh is the CPU's
+    mesh_device = "cpu" if staged() else device.type
     if data_parallel == 1:  # one replica: no dp groups (each gloo group runs its own threads)
-        flat = init_device_mesh(device.type, (ranks,), mesh_dim_names=("pp",))
+        flat = init_device_mesh(mesh_device, (ranks,), mesh_dim_names=("pp",))
         return Mesh(
             flat.get_local_rank("pp"), 0, list(range(ranks)), flat.get_group("pp"), None, flat
         )
-    mesh = init_device_mesh(device.type, (data_parallel, ranks), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(mesh_device, (data_parallel, ranks), mesh_dim_names=("dp", "pp"))
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     pp_ranks = [int(r) for r in mesh.mesh[dp_rank].tolist()]
     return Mesh(pp_rank, dp_rank, pp_ranks, mesh.get_group("pp"), mesh.get_group("dp"), mesh)
@@ -138,9 +154,15 @@ def release_others(stages: list[torch.nn.Module], keep: int | Collection[int]) -
                     module._buffers[name] = b.to("meta")
 
 
-def _objects_group(device: torch.device) -> Any:
+def staged() -> bool:
+    """Whether this process group moves host memory only (gloo): then every tensor goes through
+    the host (``staging.py``; a no-op for tensors already there)."""
+    return bool(dist.get_backend() == "gloo")
+
+
+def _objects_group() -> Any:
     """Pickled objects travel over gloo (on NCCL they would cross the GPU)."""
-    return dist.new_group(backend="gloo") if device.type == "cuda" else None
+    return None if staged() else dist.new_group(backend="gloo")
 
 
 def gather_state(state: dict[str, torch.Tensor], group: Any = None) -> dict[str, torch.Tensor]:
@@ -288,6 +310,22 @@ class StrictTreeTransport(TreeTransport, StrictTransport):
     """``TreeTransport`` under NCCL's one-stream completion rule, on any backend."""
 
 
+class StagedTreeTransport(HostStaged, TreeTransport):
+    """``TreeTransport`` on gloo: every tensor through host memory (``staging.py``)."""
+
+
+class StrictStagedTreeTransport(HostStaged, StrictTreeTransport):
+    """``StrictTreeTransport`` on gloo: every tensor through host memory."""
+
+
+TRANSPORTS = {  # (strict, staged) -> the runner's transport
+    (False, False): TreeTransport,
+    (True, False): StrictTreeTransport,
+    (False, True): StagedTreeTransport,
+    (True, True): StrictStagedTreeTransport,
+}
+
+
 class RankRunner:
     """Runs this rank's actions of the pipeline's schedule (the emulator's face, one rank):
     ``workers`` are its stages, one, or several in interleaved and V placements."""
@@ -307,7 +345,8 @@ class RankRunner:
         self.transport: TreeTransport | None = None
         self.interpreter: Interpreter | None = None
         self.current: Action | None = None  # the action being run (failure messages name it)
-        self.objects = _objects_group(self.worker.device)
+        self.objects = _objects_group()
+        self.staged = staged()  # gloo: tensors go through host memory
 
     def _after_step(self, step: int) -> int:
         """The position after this rank's last STEP of ``step`` (one per local stage)."""
@@ -372,8 +411,7 @@ class RankRunner:
         # nobubble train's runtime sets these before the first step: spans recorded on its
         # clock, and NCCL's completion rules on any backend (--strict-p2p)
         options = self.pipe.runner_options
-        serial = options.get("strict")
-        kind = StrictTreeTransport if serial else TreeTransport
+        kind = TRANSPORTS[bool(options.get("strict")), self.staged]
         self.transport = kind(
             self._plan(),
             in_specs,
@@ -424,8 +462,9 @@ class RankRunner:
                     dist.recv_object_list(box, src=src, group=self.objects)
                     treespec, leaves = box[0]
                     flat = [torch.empty(sh, dtype=dt, device=worker.device) for sh, dt in leaves]
-                    works = [dist.irecv(t, src, tag=tag + k) for k, t in enumerate(flat)]
-                    self._wait(works, f"the evaluation input {i} of stage {stage} from rank {src}")
+                    ops = [dist.P2POp(dist.irecv, t, src, tag=tag + k) for k, t in enumerate(flat)]
+                    what = f"the evaluation input {i} of stage {stage} from rank {src}"
+                    self._exchange(ops, what)
                     inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(treespec))
                 handed = worker.infer(inputs, y if stage == last else None)
                 if stage == last:
@@ -442,11 +481,19 @@ class RankRunner:
         dist.send_object_list([spec], dst=dst, group=self.objects)
         tag = EVAL_TAG_BASE + (i * self.num_stages + stage) * MAX_LEAVES
         flat_out = [t.contiguous() for t in pytree.tree_leaves(out)]
-        works = [dist.isend(t, dst, tag=tag + k) for k, t in enumerate(flat_out)]
-        self._wait(works, f"the evaluation output {i} of stage {stage - 1} to rank {dst}")
+        ops = [dist.P2POp(dist.isend, t, dst, tag=tag + k) for k, t in enumerate(flat_out)]
+        self._exchange(ops, f"the evaluation output {i} of stage {stage - 1} to rank {dst}")
 
-    def _wait(self, works: list[Any], what: str) -> None:
-        Handle(works, self.worker.device.type == "cuda").wait(self.pipe.timeout, what)
+    def _exchange(self, ops: list[dist.P2POp], what: str) -> None:
+        """Post ``ops`` one by one (evaluation traffic: tagged, at a drain point) and wait for
+        them; on gloo through host memory."""
+        arrivals: list[Arrival] = []
+        if self.staged:
+            ops, arrivals = stage_ops(ops, HostStaged.copy_always)
+        works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        handle = Handle(works, not self.staged and self.worker.device.type == "cuda")
+        handle.arrivals += arrivals
+        handle.wait(self.pipe.timeout, what)
 
     # ----- running --------------------------------------------------------------------------------
     def _execute(self, action: Action) -> None:

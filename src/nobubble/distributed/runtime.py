@@ -118,7 +118,7 @@ class RankRun:
         # rank: the global rank; pp and dp: its coordinates on the (dp, pp) mesh
         self.rank, self.pp, self.dp = env.rank, env.rank % P, env.rank // P
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
-        self.objects = dist.new_group(backend="gloo") if device.type == "cuda" else None
+        self.objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         _check_same_config(cfg, env.world_size, self.objects)
         run_dir: list[Any] = [str(resolve_run_dir(cfg)) if self.rank == 0 else None]
         dist.broadcast_object_list(run_dir, src=0, group=self.objects)  # one directory for all
@@ -494,19 +494,17 @@ def resolve_device(
         raise ValueError(
             "--backend nccl moves GPU tensors only: use --device cuda, or --backend gloo on CPUs"
         )
-    if backend == "gloo" and kind == "cuda":
-        raise ValueError(
-            "--backend gloo with --device cuda is not supported (gloo sends CPU "
-            "tensors): use --backend nccl, or --device cpu"
-        )
     if kind == "cpu":
         return torch.device("cpu"), backend
     count = torch.cuda.device_count()
+    if backend == "gloo":  # a debugging mode: ranks share the GPUs, tensors go through the host
+        return torch.device("cuda", local_rank % count), backend
     if local_world_size > count:
         raise ValueError(
             f"{local_world_size} ranks on this machine need {local_world_size} "
-            f"GPUs, but {count} are visible: use --stages {count} (or fewer), "
-            "more machines, or --device cpu"
+            f"GPUs, but {count} are visible (NCCL refuses two ranks on one GPU): use --stages "
+            f"{count} (or fewer), more machines, --device cpu, or --backend gloo to share the "
+            "GPUs between ranks (to debug: every transfer goes through host memory)"
         )
     return torch.device("cuda", local_rank), backend
 
@@ -528,8 +526,9 @@ def run_rank(cfg: TrainConfig) -> RunResult | None:
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
     timeout = cfg.dist_timeout
-    if backend == "nccl":
+    if device.type == "cuda":  # CUDA events, autocast and new tensors default to this GPU
         torch.cuda.set_device(device)
+    if backend == "nccl":
         # our host-side waits give up after --dist-timeout and name the peer; NCCL's watchdog,
         # which aborts the process without saying why, must not fire first
         timeout += 60

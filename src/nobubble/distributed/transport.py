@@ -56,10 +56,13 @@ class PeerTimeout(TimeoutError):
 
 
 class Handle:
-    """Completion of posted work: ``wait`` with a deadline, on every backend."""
+    """Completion of posted work: ``wait`` with a deadline, on every backend. ``arrivals`` are
+    copies (destination, source) to make once the work completed: the host buffers a staged
+    receive filled (``staging.py``)."""
 
     def __init__(self, works: Sequence[Any], on_cuda: bool) -> None:
         self.works, self.on_cuda = list(works), on_cuda
+        self.arrivals: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.waited = False
 
     def is_completed(self) -> bool:
@@ -81,6 +84,9 @@ class Handle:
                 time.sleep(1e-4)
         for w in self.works:  # gloo: bounded by the process group's timeout
             w.wait()
+        for destination, source in self.arrivals:
+            destination.copy_(source)
+        self.arrivals.clear()
         self.waited = True
 
 
