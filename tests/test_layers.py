@@ -27,6 +27,8 @@ LAYERS = {
     "exec": 1,
     "pipeline": 3,  # the public API runs on the emulator (1) or the multi-process runner (2)
     "splitting": 1,
+    "materializing": 1,  # stages of a meta-device model given tensors where they run
+    "weights": 1,  # safetensors read and written a stage at a time
     "host_memory": 0,  # glibc malloc settings through ctypes: no torch
     "hf": 1,
     "export": 3,
@@ -43,6 +45,7 @@ LAYERS = {
     "metrics": 3,
     "experiments": 3,
     "bench_runtime": 3,
+    "bench_memory": 3,
     "demo": 3,
     "study": 3,
     "bench": 3,

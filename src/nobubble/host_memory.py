@@ -56,3 +56,22 @@ def tune_host_allocator(default: str = "tuned") -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size now (Linux ``/proc/self/statm``), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """The largest resident set size this process has had (``getrusage``'s ru_maxrss: KiB on
+    Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if platform.system() == "Darwin" else int(peak) * 1024

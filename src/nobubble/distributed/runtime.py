@@ -46,12 +46,12 @@ from nobubble.core.comm import check_communication
 from nobubble.core.ir import STEP, Action
 from nobubble.core.sim.metrics import measured_utilization
 from nobubble.core.viz import save_gantt, save_trace, trace_events
-from nobubble.distributed.api import release_others
 from nobubble.distributed.clock import CudaClock, HostClock
 from nobubble.distributed.data_parallel import overlap
 from nobubble.distributed.transport import StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
-from nobubble.metrics import MetricsWriter, truncate_metrics
+from nobubble.host_memory import rss_bytes
+from nobubble.metrics import MetricsWriter, rank_memory, truncate_metrics
 from nobubble.pipeline import StepResult
 from nobubble.train import (
     RunResult,
@@ -140,9 +140,9 @@ class RankRun:
         # the rank of the last stage holds the loss; replica 0's writes the metrics (pipeline
         # rank 0 in a V); replica 0's global ranks are its pipeline ranks
         self.last = placement.rank_of(cfg.model_stages - 1)
-        stages = make_model(self.plan).stages
-        for s in self.local:
-            stages[s] = stages[s].to(self.device)
+        self.idle_rss = rss_bytes()  # before the model: what an idle rank holds
+        # this rank's stages only: the others stay on the meta device (docs/runtime.md)
+        stages = make_model(self.plan, self.local, self.device).stages
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
         assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
         # What every rank will post is checked to complete under NCCL's rules before any step.
@@ -152,7 +152,6 @@ class RankRun:
             self.plan.drain_points,
             data_parallel=cfg.data_parallel > 1,
         )
-        release_others(stages, self.local)
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s, self.device) for s in self.local]
             self.pipe.load_stage_parts(self.start_step, parts)
@@ -285,7 +284,12 @@ class RankRun:
             self.meeting = f"writing the checkpoint of step {step}", others
             if self.dp == 0:  # one part per stage: the replicas hold the same state
                 for worker in self.workers:
-                    save_part(staging_dir(self.run_dir, step), worker.stage, worker.state_dict())
+                    save_part(
+                        staging_dir(self.run_dir, step),
+                        worker.stage,
+                        worker.state_dict(),
+                        self.cfg.model_stages,
+                    )
             self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
                 finalize(
@@ -374,6 +378,7 @@ class RankRun:
                 else {}
             ),
             "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
+            "memory": {"rank": self.rank, **rank_memory(self.workers, self.idle_rss)},
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)
@@ -440,6 +445,7 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
     peaks = _by_stage(replica0, [g["peaks"] for g in replica0])
     summary = run_summary(run.cfg, run.records, peaks, text)
     summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
+    summary["memory"] = [g["memory"] for g in gathered]  # per rank, in bytes
     if run.cfg.data_parallel > 1:  # seconds per all-reduce, and the share hidden behind work
         figures = [g["allreduce"] for g in gathered]
         summary.update(

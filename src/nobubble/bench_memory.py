@@ -1,0 +1,161 @@
+"""``nobubble bench memory``: each rank's peak resident memory when a Hugging Face Llama trains
+under ``nobubble train --runtime dist``, against what its own stage needs.
+
+Every run is a real ``nobubble train --model hf:DIR --runtime dist`` (gloo on CPUs) of a few
+steps; each rank reports in the run's summary its resident set before the model was built (an
+idle rank: interpreter, torch, the data) and its peak (``getrusage``'s ru_maxrss), the bytes of
+its own stage's weights and optimizer state, and the most bytes of activations it held for
+backward. The bound a rank's growth (peak minus idle) must stay below is its stage's own
+weights + gradients (the weights' bytes) + optimizer state + activations; the whole model's
+weights alone are printed beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryBench:
+    """The Llama of the benchmark (about 100M parameters by default) and its short runs."""
+
+    hidden: int = 1024
+    intermediate: int = 2816
+    layers: int = 8
+    heads: int = 16
+    kv_heads: int = 4
+    vocab: int = 8192
+    stages: tuple[int, ...] = (1, 4, 8)
+    schedule: str = "paci"
+    steps: int = 4
+    microbatches: int = 4
+    micro_batch_size: int = 1
+    seq_len: int = 64
+    data: str = "shakespeare"
+
+    def num_params(self) -> int:
+        """Embedding and head (untied), per block attention (q, o full; k, v of kv_heads) and
+        SwiGLU, two norms per block and the final norm."""
+        d, f = self.hidden, self.intermediate
+        kv = d // self.heads * self.kv_heads
+        block = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
+        return 2 * self.vocab * d + self.layers * block + d
+
+
+def write_model(cfg: MemoryBench, folder: Path) -> Path:
+    """The Llama's config.json alone: every rank initializes its stage from the seed."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=False,
+    )
+    config.save_pretrained(folder)
+    return folder
+
+
+def train_flags(cfg: MemoryBench, model: Path, stages: int, out: Path) -> list[str]:
+    return [
+        "--model", f"hf:{model}", "--runtime", "dist", "--stages", str(stages),
+        "--schedule", cfg.schedule, "--steps", str(cfg.steps), "--eval-every", str(cfg.steps),
+        "--microbatches", str(cfg.microbatches), "--micro-batch-size", str(cfg.micro_batch_size),
+        "--seq-len", str(cfg.seq_len), "--vocab-size", str(cfg.vocab), "--data", cfg.data,
+        "--eval-batches", "1", "--sample-tokens", "0", "--threads", "1", "--no-progress",
+        "--dist-timeout", "600", "--out", str(out),
+    ]  # fmt: skip
+
+
+def rank_rows(summary: dict[str, Any], whole_bytes: int) -> list[dict[str, Any]]:
+    rows = []
+    for m in summary["memory"]:
+        growth = m["peak_rss"] - m["idle_rss"]
+        bound = 2 * m["param_bytes"] + m["optimizer_bytes"] + m["activation_bytes"]
+        rows.append(
+            {
+                "rank": m["rank"],
+                "params_M": round(m["params"] / 1e6, 2),
+                "idle_MiB": round(m["idle_rss"] / MIB),
+                "peak_MiB": round(m["peak_rss"] / MIB),
+                "growth_MiB": round(growth / MIB),
+                "bound_MiB": round(bound / MIB),
+                "holds": growth < bound,
+                "whole_weights_MiB": round(whole_bytes / MIB),
+                "below_whole": growth < whole_bytes,
+            }
+        )
+    return rows
+
+
+def run(cfg: MemoryBench, progress: Any = print) -> dict[str, Any]:
+    """Train at each P in ``cfg.stages``; every rank's figures, and the command lines."""
+    whole_bytes = 4 * cfg.num_params()  # fp32 weights
+    result: dict[str, Any] = {"params": cfg.num_params(), "whole_weights_bytes": whole_bytes}
+    with tempfile.TemporaryDirectory(prefix="nobubble-bench-memory-") as tmp:
+        model = write_model(cfg, Path(tmp) / "llama")
+        for stages in cfg.stages:
+            out = Path(tmp) / f"run-p{stages}"
+            flags = train_flags(cfg, model, stages, out)
+            progress(f"P={stages}: nobubble train {' '.join(flags)}")
+            start = time.perf_counter()
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+            done = subprocess.run(
+                [sys.executable, "-m", "nobubble", "train", *flags],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"the run at P={stages} failed:\n{done.stderr[-3000:]}")
+            summary = json.loads((out / "summary.json").read_text())
+            result[f"P={stages}"] = {
+                "seconds": round(time.perf_counter() - start, 1),
+                "val_loss": summary.get("val_loss"),
+                "ranks": rank_rows(summary, whole_bytes),
+            }
+            if stages == max(cfg.stages):
+                progress(f"P={stages}: nobubble export, then transformers' from_pretrained")
+                result["export"] = export_check(out, Path(tmp) / "export", summary["val_loss"])
+    return result
+
+
+def export_check(run_dir: Path, out: Path, val_loss: float) -> dict[str, Any]:
+    """Export the run (sharded safetensors, a stage at a time), load it with transformers'
+    ``from_pretrained`` and compute the run's validation loss again: the pipeline's last
+    validation loss and the reloaded model's, on the same batches."""
+    import torch
+    import transformers
+
+    from nobubble.assemble import load_data
+    from nobubble.export import export_run, run_config
+    from nobubble.model import lm_loss
+
+    cfg = run_config(run_dir)
+    export_run(run_dir, out)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    batches = load_data(cfg).val_batches(cfg.global_micro_batch_size, cfg.eval_batches)
+    with torch.no_grad():
+        losses = [float(lm_loss(model(x).logits, y)) for x, y in batches]
+    reloaded = sum(losses) / len(losses)
+    return {
+        "shards": shards,
+        "pipeline_val_loss": val_loss,
+        "reloaded_val_loss": reloaded,
+        "difference": abs(reloaded - val_loss),
+    }
