@@ -2,12 +2,14 @@
 under ``nobubble train --runtime dist``, against what its own stage needs.
 
 Every run is a real ``nobubble train --model hf:DIR --runtime dist`` (gloo on CPUs) of a few
-steps; each rank reports in the run's summary its resident set before the model was built (an
-idle rank: interpreter, torch, the data) and its peak (``getrusage``'s ru_maxrss), the bytes of
-its own stage's weights and optimizer state, and the most bytes of activations it held for
-backward. The bound a rank's growth (peak minus idle) must stay below is its stage's own
-weights + gradients (the weights' bytes) + optimizer state + activations; the whole model's
-weights alone are printed beside it.
+steps; each rank reports in the run's summary its peak resident set (``getrusage``'s
+ru_maxrss), the bytes of its own stage's weights and optimizer state, and the most bytes of
+activations it held for backward. An idle rank's baseline is the same rank of the same command
+on a model of negligible size (hidden 16, the same vocabulary, data and shapes): its peak holds
+everything but the model (interpreter, torch and transformers, the process group, autograd's
+and the kernels' own buffers, the data). A rank's growth, its peak minus that baseline, must
+stay below its stage's own weights + gradients (the weights' bytes) + optimizer state +
+activations; the whole model's fp32 weights are printed beside it.
 """
 
 from __future__ import annotations
@@ -52,17 +54,18 @@ class MemoryBench:
         return 2 * self.vocab * d + self.layers * block + d
 
 
-def write_model(cfg: MemoryBench, folder: Path) -> Path:
-    """The Llama's config.json alone: every rank initializes its stage from the seed."""
+def write_model(cfg: MemoryBench, folder: Path, idle: bool = False) -> Path:
+    """The Llama's config.json alone: every rank initializes its stage from the seed. ``idle``:
+    the same model at hidden 16 (2 heads), for the baseline."""
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.intermediate,
+        hidden_size=16 if idle else cfg.hidden,
+        intermediate_size=16 if idle else cfg.intermediate,
         num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
+        num_attention_heads=2 if idle else cfg.heads,
+        num_key_value_heads=2 if idle else cfg.kv_heads,
         max_position_embeddings=cfg.seq_len,
         tie_word_embeddings=False,
     )
@@ -81,52 +84,63 @@ def train_flags(cfg: MemoryBench, model: Path, stages: int, out: Path) -> list[s
     ]  # fmt: skip
 
 
-def rank_rows(summary: dict[str, Any], whole_bytes: int) -> list[dict[str, Any]]:
+def rank_rows(
+    summary: dict[str, Any], idle: dict[str, Any], whole_bytes: int
+) -> list[dict[str, Any]]:
     rows = []
-    for m in summary["memory"]:
-        growth = m["peak_rss"] - m["idle_rss"]
+    for m, base in zip(summary["memory"], idle["memory"], strict=True):
+        assert m["rank"] == base["rank"]
+        growth = m["peak_rss"] - base["peak_rss"]
         bound = 2 * m["param_bytes"] + m["optimizer_bytes"] + m["activation_bytes"]
         rows.append(
             {
                 "rank": m["rank"],
                 "params_M": round(m["params"] / 1e6, 2),
-                "idle_MiB": round(m["idle_rss"] / MIB),
+                "idle_peak_MiB": round(base["peak_rss"] / MIB),
                 "peak_MiB": round(m["peak_rss"] / MIB),
                 "growth_MiB": round(growth / MIB),
                 "bound_MiB": round(bound / MIB),
                 "holds": growth < bound,
                 "whole_weights_MiB": round(whole_bytes / MIB),
-                "below_whole": growth < whole_bytes,
             }
         )
     return rows
 
 
+def train(cfg: MemoryBench, model: Path, stages: int, out: Path, progress: Any) -> dict[str, Any]:
+    """One ``nobubble train --runtime dist`` run; its summary."""
+    flags = train_flags(cfg, model, stages, out)
+    progress(f"P={stages}: nobubble train {' '.join(flags)}")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(
+        [sys.executable, "-m", "nobubble", "train", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the run at P={stages} failed:\n{done.stderr[-3000:]}")
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
 def run(cfg: MemoryBench, progress: Any = print) -> dict[str, Any]:
-    """Train at each P in ``cfg.stages``; every rank's figures, and the command lines."""
+    """Train at each P in ``cfg.stages``, and the idle model at the same P; every rank's
+    figures, the command lines, and at the largest P the export's check."""
     whole_bytes = 4 * cfg.num_params()  # fp32 weights
     result: dict[str, Any] = {"params": cfg.num_params(), "whole_weights_bytes": whole_bytes}
     with tempfile.TemporaryDirectory(prefix="nobubble-bench-memory-") as tmp:
         model = write_model(cfg, Path(tmp) / "llama")
+        idle_model = write_model(cfg, Path(tmp) / "idle", idle=True)
         for stages in cfg.stages:
-            out = Path(tmp) / f"run-p{stages}"
-            flags = train_flags(cfg, model, stages, out)
-            progress(f"P={stages}: nobubble train {' '.join(flags)}")
+            idle = train(cfg, idle_model, stages, Path(tmp) / f"idle-p{stages}", progress)
             start = time.perf_counter()
-            env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-            done = subprocess.run(
-                [sys.executable, "-m", "nobubble", "train", *flags],
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"the run at P={stages} failed:\n{done.stderr[-3000:]}")
-            summary = json.loads((out / "summary.json").read_text())
+            out = Path(tmp) / f"run-p{stages}"
+            summary = train(cfg, model, stages, out, progress)
             result[f"P={stages}"] = {
                 "seconds": round(time.perf_counter() - start, 1),
                 "val_loss": summary.get("val_loss"),
-                "ranks": rank_rows(summary, whole_bytes),
+                "ranks": rank_rows(summary, idle, whole_bytes),
             }
             if stages == max(cfg.stages):
                 progress(f"P={stages}: nobubble export, then transformers' from_pretrained")

@@ -60,9 +60,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def rank_memory(workers: Sequence[Any], idle_rss: int | None) -> dict[str, Any]:
+def rank_memory(workers: Sequence[Any], rss_before_model: int | None) -> dict[str, Any]:
     """A rank's memory figures for its run summary: its resident set before the model was built
-    (``idle_rss``) and at its peak, and what its own stages hold (weights, optimizer state,
+    and at its peak (``getrusage``), and what its own stages hold (weights, optimizer state,
     the most bytes of activations held for backward). Gradients take the weights' bytes."""
     from nobubble.host_memory import peak_rss_bytes
 
@@ -77,7 +77,7 @@ def rank_memory(workers: Sequence[Any], idle_rss: int | None) -> dict[str, Any]:
     ]
     return {
         "stages": [w.stage for w in workers],
-        "idle_rss": idle_rss,
+        "rss_before_model": rss_before_model,
         "peak_rss": peak_rss_bytes(),
         "params": sum(p.numel() for p in params),
         "param_bytes": sum(p.numel() * p.element_size() for p in params),

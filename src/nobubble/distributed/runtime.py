@@ -140,7 +140,7 @@ class RankRun:
         # the rank of the last stage holds the loss; replica 0's writes the metrics (pipeline
         # rank 0 in a V); replica 0's global ranks are its pipeline ranks
         self.last = placement.rank_of(cfg.model_stages - 1)
-        self.idle_rss = rss_bytes()  # before the model: what an idle rank holds
+        self.rss_before_model = rss_bytes()
         # this rank's stages only: the others stay on the meta device (docs/runtime.md)
         stages = make_model(self.plan, self.local, self.device).stages
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
@@ -378,7 +378,7 @@ class RankRun:
                 else {}
             ),
             "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
-            "memory": {"rank": self.rank, **rank_memory(self.workers, self.idle_rss)},
+            "memory": {"rank": self.rank, **rank_memory(self.workers, self.rss_before_model)},
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)

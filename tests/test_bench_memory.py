@@ -1,0 +1,32 @@
+"""``nobubble bench memory``'s arithmetic: the parameter count it prints and the bound each rank
+is held to (the runs themselves are the benchmark, not a test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nobubble.bench_memory import MIB, MemoryBench, rank_rows
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("cfg", [MemoryBench(), MemoryBench(hidden=64, intermediate=96, layers=3)])
+def test_the_printed_parameter_count_is_the_llamas(cfg, tmp_path):
+    from nobubble.bench_memory import write_model
+
+    config = transformers.AutoConfig.from_pretrained(write_model(cfg, tmp_path / "m"))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_a_rank_is_held_to_its_weights_grads_optimizer_state_and_activations():
+    mine = {"rank": 0, "params": 10, "param_bytes": 40 * MIB, "optimizer_bytes": 80 * MIB}
+    summary = {"memory": [{**mine, "activation_bytes": 30 * MIB, "peak_rss": 900 * MIB}]}
+    idle = {"memory": [{**mine, "activation_bytes": 0, "peak_rss": 700 * MIB}]}
+    (row,) = rank_rows(summary, idle, whole_bytes=400 * MIB)
+    # growth 200 MiB; bound 40 (weights) + 40 (grads) + 80 (Adam) + 30 (activations) = 190
+    assert (row["growth_MiB"], row["bound_MiB"], row["holds"]) == (200, 190, False)
+    summary["memory"][0]["peak_rss"] = 880 * MIB
+    assert rank_rows(summary, idle, 400 * MIB)[0]["holds"]
