@@ -388,7 +388,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--layers", type=positive_int, default=8)
     q.add_argument("--vocab-size", type=positive_int, default=8192)
     q.add_argument("--steps", type=positive_int, default=4)
-    q.add_argument("--microbatches", type=positive_int, default=4)
+    q.add_argument("--microbatches", type=positive_int, default=8)
     q.add_argument("--micro-batch-size", type=positive_int, default=1)
     q.add_argument("--seq-len", type=positive_int, default=64)
     q.add_argument("--data", default="shakespeare")
