@@ -6,10 +6,15 @@ steps; each rank reports in the run's summary its peak resident set (``getrusage
 ru_maxrss), the bytes of its own stage's weights and optimizer state, and the most bytes of
 activations it held for backward. An idle rank's baseline is the same rank of the same command
 on a model of negligible size (hidden 16, the same vocabulary, data and shapes): its peak holds
-everything but the model (interpreter, torch and transformers, the process group, autograd's
-and the kernels' own buffers, the data). A rank's growth, its peak minus that baseline, must
-stay below its stage's own weights + gradients (the weights' bytes) + optimizer state +
-activations; the whole model's fp32 weights are printed beside it.
+everything but the model (interpreter, torch and transformers, the process group, the data). A
+rank's growth, its peak minus that baseline, is compared with its stage's own weights +
+gradients (the weights' bytes) + optimizer state + activations, and with the whole model.
+
+The model is built once in this process (``--seed``'s init, saved as safetensors shards) and
+read per stage by every run; at the largest P two more runs show the other paths: the same
+model from its config alone (each rank replays the init for its stage), and as
+``pytorch_model.bin``, which every rank must load whole before it frees the other stages
+(what every model did before models were materialized per stage).
 """
 
 from __future__ import annotations
@@ -54,9 +59,11 @@ class MemoryBench:
         return 2 * self.vocab * d + self.layers * block + d
 
 
-def write_model(cfg: MemoryBench, folder: Path, idle: bool = False) -> Path:
-    """The Llama's config.json alone: every rank initializes its stage from the seed. ``idle``:
-    the same model at hidden 16 (2 heads), for the baseline."""
+def write_model(cfg: MemoryBench, folder: Path, idle: bool = False, weights: str = "") -> Path:
+    """The Llama's config.json, and with ``weights`` its weights as built normally from seed 0:
+    ``safetensors`` (shards of at most 100 MB, with their index) or ``bin``
+    (pytorch_model.bin). ``idle``: the same model at hidden 16 (2 heads), for the baseline."""
+    import torch
     import transformers
 
     config = transformers.LlamaConfig(
@@ -70,6 +77,13 @@ def write_model(cfg: MemoryBench, folder: Path, idle: bool = False) -> Path:
         tie_word_embeddings=False,
     )
     config.save_pretrained(folder)
+    if weights:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        if weights == "safetensors":
+            model.save_pretrained(folder, max_shard_size="100MB")
+        else:
+            torch.save(model.state_dict(), folder / "pytorch_model.bin")
     return folder
 
 
@@ -125,26 +139,37 @@ def train(cfg: MemoryBench, model: Path, stages: int, out: Path, progress: Any) 
 
 
 def run(cfg: MemoryBench, progress: Any = print) -> dict[str, Any]:
-    """Train at each P in ``cfg.stages``, and the idle model at the same P; every rank's
-    figures, the command lines, and at the largest P the export's check."""
+    """Train at each P in ``cfg.stages`` (weights read per stage), and the idle model at the
+    same P; at the largest P also from the config alone and from pytorch_model.bin, and the
+    export's check. Every rank's figures."""
     whole_bytes = 4 * cfg.num_params()  # fp32 weights
     result: dict[str, Any] = {"params": cfg.num_params(), "whole_weights_bytes": whole_bytes}
     with tempfile.TemporaryDirectory(prefix="nobubble-bench-memory-") as tmp:
-        model = write_model(cfg, Path(tmp) / "llama")
-        idle_model = write_model(cfg, Path(tmp) / "idle", idle=True)
+        root = Path(tmp)
+        progress("building the model once here, saved as safetensors and as pytorch_model.bin")
+        sharded = write_model(cfg, root / "safetensors", weights="safetensors")
+        whole = write_model(cfg, root / "bin", weights="bin")
+        config_only = write_model(cfg, root / "config")
+        idle_model = write_model(cfg, root / "idle", idle=True)
         for stages in cfg.stages:
-            idle = train(cfg, idle_model, stages, Path(tmp) / f"idle-p{stages}", progress)
+            idle = train(cfg, idle_model, stages, root / f"idle-p{stages}", progress)
             start = time.perf_counter()
-            out = Path(tmp) / f"run-p{stages}"
-            summary = train(cfg, model, stages, out, progress)
+            out = root / f"run-p{stages}"
+            summary = train(cfg, sharded, stages, out, progress)
             result[f"P={stages}"] = {
                 "seconds": round(time.perf_counter() - start, 1),
                 "val_loss": summary.get("val_loss"),
                 "ranks": rank_rows(summary, idle, whole_bytes),
             }
-            if stages == max(cfg.stages):
-                progress(f"P={stages}: nobubble export, then transformers' from_pretrained")
-                result["export"] = export_check(out, Path(tmp) / "export", summary["val_loss"])
+            if stages != max(cfg.stages):
+                continue
+            for name, model in (("seed", config_only), ("whole", whole)):
+                other = train(cfg, model, stages, root / f"{name}-p{stages}", progress)
+                for row, m in zip(result[f"P={stages}"]["ranks"], other["memory"], strict=True):
+                    base = idle["memory"][m["rank"]]["peak_rss"]
+                    row[f"{name}_growth_MiB"] = round((m["peak_rss"] - base) / MIB)
+            progress(f"P={stages}: nobubble export, then transformers' from_pretrained")
+            result["export"] = export_check(out, root / "export", summary["val_loss"])
     return result
 
 

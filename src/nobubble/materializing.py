@@ -82,15 +82,36 @@ def remember(stages: Sequence[nn.Module], model: nn.Module, copies: dict[str, st
 
 
 # ----- random draws into meta tensors, made on the side ----------------------------------------
-def _scratch(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_meta:
-        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="cpu")
-    return x
+def _span(x: torch.Tensor) -> int:
+    """Elements of storage a tensor of ``x``'s sizes and strides reaches."""
+    if x.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
 
 
 class DrawAside(TorchDispatchMode):
     """A random op on a meta tensor (or creating one) also runs on the CPU on scratch tensors of
-    the same shapes, so the generator it reads advances as it would for a real tensor."""
+    the same shapes and strides, so the generator it reads advances as it would for a real
+    tensor. The scratch tensors are views of one buffer, reused from draw to draw and grown to
+    the largest: thousands of draws of megabytes each would otherwise leave the allocator's
+    heap fragmented, its freed holes still resident."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _scratch(self, metas: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        align = 64
+        sizes = [-(-_span(t) * t.element_size() // align) * align for t in metas]
+        if sum(sizes) > self.buffer.numel():
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        views, offset = {}, 0
+        for t, size in zip(metas, sizes, strict=True):
+            flat = self.buffer[offset : offset + _span(t) * t.element_size()].view(t.dtype)
+            views[id(t)] = flat.as_strided(t.shape, t.stride())
+            offset += size
+        return views
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -98,8 +119,13 @@ class DrawAside(TorchDispatchMode):
             device = kwargs.get("device")
             creates_meta = device is not None and torch.device(device).type == "meta"
             leaves = pytree.tree_leaves((args, kwargs))
-            if creates_meta or any(isinstance(a, torch.Tensor) and a.is_meta for a in leaves):
-                args_cpu, kwargs_cpu = pytree.tree_map(_scratch, (args, kwargs))
+            metas = [a for a in leaves if isinstance(a, torch.Tensor) and a.is_meta]
+            if creates_meta or metas:
+                views = self._scratch(metas)
+                args_cpu, kwargs_cpu = pytree.tree_map(
+                    lambda x: views.get(id(x), x) if isinstance(x, torch.Tensor) else x,
+                    (args, kwargs),
+                )
                 if creates_meta:
                     kwargs_cpu["device"] = torch.device("cpu")
                 func(*args_cpu, **kwargs_cpu)

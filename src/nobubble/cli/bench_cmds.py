@@ -278,7 +278,9 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     print(
         f"HF Llama, {cfg.layers} blocks, hidden {cfg.hidden}, intermediate {cfg.intermediate}, "
         f"vocab {cfg.vocab}: {result['params'] / 1e6:.1f}M parameters, "
-        f"{result['whole_weights_bytes'] / (1 << 20):.0f} MiB of fp32 weights"
+        f"{result['whole_weights_bytes'] / (1 << 20):.0f} MiB of fp32 weights. growth: peak "
+        "minus the idle rank's; bound: the stage's weights + grads + optimizer state + "
+        "activations; seed / whole: growth from the config alone / from pytorch_model.bin"
     )
     held = True
     for stages in cfg.stages:
