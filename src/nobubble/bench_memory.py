@@ -10,11 +10,10 @@ everything but the model (interpreter, torch and transformers, the process group
 rank's growth, its peak minus that baseline, is compared with its stage's own weights +
 gradients (the weights' bytes) + optimizer state + activations, and with the whole model.
 
-The model is built once in this process (``--seed``'s init, saved as safetensors shards) and
-read per stage by every run; at the largest P two more runs show the other paths: the same
-model from its config alone (each rank replays the init for its stage), and as
-``pytorch_model.bin``, which every rank must load whole before it frees the other stages
-(what every model did before models were materialized per stage).
+The model is built once in this process (seed 0, saved as safetensors shards) and read per
+stage by every run; at the largest P one more run starts from its config alone (each rank
+replays the init for its stage). ``build``: a rank's peak once its model was built, minus the
+idle rank's at the same point: its stage's weights, never the whole model's.
 """
 
 from __future__ import annotations
@@ -59,10 +58,10 @@ class MemoryBench:
         return 2 * self.vocab * d + self.layers * block + d
 
 
-def write_model(cfg: MemoryBench, folder: Path, idle: bool = False, weights: str = "") -> Path:
-    """The Llama's config.json, and with ``weights`` its weights as built normally from seed 0:
-    ``safetensors`` (shards of at most 100 MB, with their index) or ``bin``
-    (pytorch_model.bin). ``idle``: the same model at hidden 16 (2 heads), for the baseline."""
+def write_model(cfg: MemoryBench, folder: Path, idle: bool = False, weights: bool = False) -> Path:
+    """The Llama's config.json, and with ``weights`` its weights as built normally from seed 0,
+    as safetensors shards of at most 100 MB with their index. ``idle``: the same model at
+    hidden 16 (2 heads), for the baseline."""
     import torch
     import transformers
 
@@ -79,11 +78,7 @@ def write_model(cfg: MemoryBench, folder: Path, idle: bool = False, weights: str
     config.save_pretrained(folder)
     if weights:
         torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
-        if weights == "safetensors":
-            model.save_pretrained(folder, max_shard_size="100MB")
-        else:
-            torch.save(model.state_dict(), folder / "pytorch_model.bin")
+        transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100MB")
     return folder
 
 
@@ -98,24 +93,28 @@ def train_flags(cfg: MemoryBench, model: Path, stages: int, out: Path) -> list[s
     ]  # fmt: skip
 
 
-def rank_rows(
-    summary: dict[str, Any], idle: dict[str, Any], whole_bytes: int
-) -> list[dict[str, Any]]:
+def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per rank: its stage's weights; the memory building them took (the peak once the model
+    was built, minus the idle rank's at the same point); the run's growth (peak minus the idle
+    rank's peak) against the bound; the freed memory malloc kept at the end."""
     rows = []
     for m, base in zip(summary["memory"], idle["memory"], strict=True):
         assert m["rank"] == base["rank"]
         growth = m["peak_rss"] - base["peak_rss"]
         bound = 2 * m["param_bytes"] + m["optimizer_bytes"] + m["activation_bytes"]
+        free = m.get("malloc_free")
         rows.append(
             {
                 "rank": m["rank"],
                 "params_M": round(m["params"] / 1e6, 2),
+                "weights_MiB": round(m["param_bytes"] / MIB),
+                "build_MiB": round((m["peak_after_model"] - base["peak_after_model"]) / MIB),
                 "idle_peak_MiB": round(base["peak_rss"] / MIB),
                 "peak_MiB": round(m["peak_rss"] / MIB),
                 "growth_MiB": round(growth / MIB),
                 "bound_MiB": round(bound / MIB),
                 "holds": growth < bound,
-                "whole_weights_MiB": round(whole_bytes / MIB),
+                "malloc_free_MiB": None if free is None else round(free / MIB),
             }
         )
     return rows
@@ -140,15 +139,16 @@ def train(cfg: MemoryBench, model: Path, stages: int, out: Path, progress: Any) 
 
 def run(cfg: MemoryBench, progress: Any = print) -> dict[str, Any]:
     """Train at each P in ``cfg.stages`` (weights read per stage), and the idle model at the
-    same P; at the largest P also from the config alone and from pytorch_model.bin, and the
+    same P; at the largest P also from the config alone (the init replayed per stage), and the
     export's check. Every rank's figures."""
-    whole_bytes = 4 * cfg.num_params()  # fp32 weights
-    result: dict[str, Any] = {"params": cfg.num_params(), "whole_weights_bytes": whole_bytes}
+    result: dict[str, Any] = {
+        "params": cfg.num_params(),
+        "whole_weights_bytes": 4 * cfg.num_params(),
+    }
     with tempfile.TemporaryDirectory(prefix="nobubble-bench-memory-") as tmp:
         root = Path(tmp)
-        progress("building the model once here, saved as safetensors and as pytorch_model.bin")
-        sharded = write_model(cfg, root / "safetensors", weights="safetensors")
-        whole = write_model(cfg, root / "bin", weights="bin")
+        progress("building the model once here (seed 0), saved as safetensors shards")
+        sharded = write_model(cfg, root / "safetensors", weights=True)
         config_only = write_model(cfg, root / "config")
         idle_model = write_model(cfg, root / "idle", idle=True)
         for stages in cfg.stages:
@@ -156,18 +156,18 @@ def run(cfg: MemoryBench, progress: Any = print) -> dict[str, Any]:
             start = time.perf_counter()
             out = root / f"run-p{stages}"
             summary = train(cfg, sharded, stages, out, progress)
+            rows = rank_rows(summary, idle)
             result[f"P={stages}"] = {
                 "seconds": round(time.perf_counter() - start, 1),
                 "val_loss": summary.get("val_loss"),
-                "ranks": rank_rows(summary, idle, whole_bytes),
+                "ranks": rows,
             }
             if stages != max(cfg.stages):
                 continue
-            for name, model in (("seed", config_only), ("whole", whole)):
-                other = train(cfg, model, stages, root / f"{name}-p{stages}", progress)
-                for row, m in zip(result[f"P={stages}"]["ranks"], other["memory"], strict=True):
-                    base = idle["memory"][m["rank"]]["peak_rss"]
-                    row[f"{name}_growth_MiB"] = round((m["peak_rss"] - base) / MIB)
+            seed = rank_rows(train(cfg, config_only, stages, root / "seed", progress), idle)
+            for row, other in zip(rows, seed, strict=True):
+                row["seed_build_MiB"] = other["build_MiB"]
+                row["seed_growth_MiB"] = other["growth_MiB"]
             progress(f"P={stages}: nobubble export, then transformers' from_pretrained")
             result["export"] = export_check(out, root / "export", summary["val_loss"])
     return result

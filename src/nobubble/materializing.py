@@ -86,7 +86,9 @@ def _span(x: torch.Tensor) -> int:
     """Elements of storage a tensor of ``x``'s sizes and strides reaches."""
     if x.numel() == 0:
         return 0
-    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
+    return 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride(), strict=True)
+    )
 
 
 class DrawAside(TorchDispatchMode):

@@ -278,9 +278,11 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     print(
         f"HF Llama, {cfg.layers} blocks, hidden {cfg.hidden}, intermediate {cfg.intermediate}, "
         f"vocab {cfg.vocab}: {result['params'] / 1e6:.1f}M parameters, "
-        f"{result['whole_weights_bytes'] / (1 << 20):.0f} MiB of fp32 weights. growth: peak "
-        "minus the idle rank's; bound: the stage's weights + grads + optimizer state + "
-        "activations; seed / whole: growth from the config alone / from pytorch_model.bin"
+        f"{result['whole_weights_bytes'] / (1 << 20):.0f} MiB of fp32 weights (the whole "
+        "model). build: peak once the model was built, minus the idle rank's; growth: the "
+        "run's peak minus the idle rank's; bound: the stage's weights + grads + optimizer "
+        "state + activations; malloc_free: freed memory malloc kept at the end; seed_*: the "
+        "same from the config alone"
     )
     held = True
     for stages in cfg.stages:

@@ -50,7 +50,7 @@ from nobubble.distributed.clock import CudaClock, HostClock
 from nobubble.distributed.data_parallel import overlap
 from nobubble.distributed.transport import StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
-from nobubble.host_memory import rss_bytes
+from nobubble.host_memory import peak_rss_bytes, rss_bytes
 from nobubble.metrics import MetricsWriter, rank_memory, truncate_metrics
 from nobubble.pipeline import StepResult
 from nobubble.train import (
@@ -143,6 +143,7 @@ class RankRun:
         self.rss_before_model = rss_bytes()
         # this rank's stages only: the others stay on the meta device (docs/runtime.md)
         stages = make_model(self.plan, self.local, self.device).stages
+        self.peak_after_model = peak_rss_bytes()
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
         assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
         # What every rank will post is checked to complete under NCCL's rules before any step.
@@ -378,7 +379,10 @@ class RankRun:
                 else {}
             ),
             "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
-            "memory": {"rank": self.rank, **rank_memory(self.workers, self.rss_before_model)},
+            "memory": {
+                "rank": self.rank,
+                **rank_memory(self.workers, self.rss_before_model, self.peak_after_model),
+            },
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)
