@@ -14,6 +14,11 @@ The model is built once in this process (seed 0, saved as safetensors shards) an
 stage by every run; at the largest P one more run starts from its config alone (each rank
 replays the init for its stage). ``build``: a rank's peak once its model was built, minus the
 idle rank's at the same point: its stage's weights, never the whole model's.
+
+A process's resident set also holds memory it freed: nobubble keeps it for reuse on purpose
+(``nobubble.tune_host_allocator``; glibc's own thresholds grow to the same values). With
+``allocator="release"`` the ranks run under glibc tunables that hand every block of 64 KiB or
+more back to the system when it is freed, so the peak follows the memory the rank uses.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class MemoryBench:
     micro_batch_size: int = 1
     seq_len: int = 64
     data: str = "shakespeare"
+    allocator: str = "as-shipped"  # or "release" (module docstring)
 
     def num_params(self) -> int:
         """Embedding and head (untied), per block attention (q, o full; k, v of kv_heads) and
@@ -120,11 +126,21 @@ def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, A
     return rows
 
 
+# glibc gives back every block of 64 KiB or more when it is freed, and the heap's free top at
+# once: a process's resident set then follows the memory it uses, at the cost of page faults
+RELEASE = {
+    "NOBUBBLE_MALLOC": "default",
+    "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=0",
+}
+
+
 def train(cfg: MemoryBench, model: Path, stages: int, out: Path, progress: Any) -> dict[str, Any]:
     """One ``nobubble train --runtime dist`` run; its summary."""
     flags = train_flags(cfg, model, stages, out)
     progress(f"P={stages}: nobubble train {' '.join(flags)}")
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if cfg.allocator == "release":
+        env.update(RELEASE)
     done = subprocess.run(
         [sys.executable, "-m", "nobubble", "train", *flags],
         env=env,

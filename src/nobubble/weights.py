@@ -140,8 +140,8 @@ class SafetensorsWeights:
 
 
 def _dedup(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors to write (contiguous, on the CPU) and the names that alias an earlier one
-    (a parameter tied within one stage): safetensors stores each memory region once."""
+    """The tensors to write and the names that alias an earlier one (a parameter tied within
+    one stage): each is stored once, and loading points the alias at it again."""
     seen: dict[tuple[Any, ...], str] = {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -151,16 +151,43 @@ def _dedup(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = t.detach().to("cpu").contiguous()
-    # two names over overlapping (not equal) memory would be refused: give each its own copy
-    ptrs: dict[int, int] = {}
-    for t in tensors.values():
-        ptr = t.untyped_storage().data_ptr()
-        ptrs[ptr] = ptrs.get(ptr, 0) + 1
-    for name, t in tensors.items():
-        if ptrs[t.untyped_storage().data_ptr()] > 1:
-            tensors[name] = t.clone()
+        tensors[name] = t.detach()
     return tensors, aliases
+
+
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Write ``tensors`` in the safetensors format, a tensor at a time from its own memory:
+    unlike ``safetensors.torch.save_file``, which first copies every tensor into one buffer,
+    this holds no second copy of the stage (format: an 8-byte little-endian header length,
+    the JSON header of dtypes, shapes and byte offsets, then the raw bytes in that order)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} is {t.dtype}, which safetensors does not store here")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for t in tensors.values():
+            if t.numel():  # a GPU tensor comes to the host one at a time
+                cpu = t.to("cpu").contiguous().reshape(-1)
+                f.write(memoryview(cpu.view(torch.uint8).numpy()))
 
 
 def write_shard(
@@ -168,13 +195,11 @@ def write_shard(
 ) -> dict[str, Any]:
     """Write ``state`` (one stage's tensors under the model's names) as the stage's shard,
     atomically; return its record for ``index_of`` (file, bytes per name, sha256, aliases)."""
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     tensors, aliases = _dedup(state)
     name = shard_name(stage, num_stages)
     tmp = folder / (name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_safetensors(tensors, tmp)
     os.replace(tmp, folder / name)
     return {
         "stage": stage,

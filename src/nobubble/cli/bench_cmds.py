@@ -265,6 +265,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len,
         data=args.data,
+        allocator=args.allocator,
     )
 
     def progress(text: str) -> None:
@@ -396,5 +397,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--micro-batch-size", type=positive_int, default=1)
     q.add_argument("--seq-len", type=positive_int, default=64)
     q.add_argument("--data", default="shakespeare")
+    q.add_argument(
+        "--allocator",
+        default="as-shipped",
+        choices=["as-shipped", "release"],
+        help="glibc malloc in the ranks: as shipped (freed memory kept for reuse), or every "
+        "freed block of 64 KiB or more given back at once (the peak follows the memory in use)",
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_memory)

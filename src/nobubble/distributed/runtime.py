@@ -288,7 +288,7 @@ class RankRun:
                     save_part(
                         staging_dir(self.run_dir, step),
                         worker.stage,
-                        worker.state_dict(),
+                        worker.state_dict(copy=False),  # written at once: no copy
                         self.cfg.model_stages,
                     )
             self._barrier()  # every part is on disk before the manifest marks it complete
