@@ -36,6 +36,6 @@ def test_a_rank_is_held_to_its_weights_grads_optimizer_state_and_activations():
     (row,) = rank_rows(summary, idle)
     # growth 200 MiB; bound 40 (weights) + 40 (grads) + 80 (Adam) + 30 (activations) = 190
     assert (row["growth_MiB"], row["bound_MiB"], row["holds"]) == (200, 190, False)
-    assert (row["weights_MiB"], row["build_MiB"]) == (40, 50)
+    assert (row["weights_MiB"], row["build_MiB"], row["over_MiB"]) == (40, 50, 10)
     summary["memory"][0]["peak_rss"] = 880 * MIB
     assert rank_rows(summary, idle)[0]["holds"]

@@ -120,6 +120,7 @@ def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, A
                 "growth_MiB": round(growth / MIB),
                 "bound_MiB": round(bound / MIB),
                 "holds": growth < bound,
+                "over_MiB": round((growth - bound) / MIB),
                 "malloc_free_MiB": None if free is None else round(free / MIB),
             }
         )
