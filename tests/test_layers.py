@@ -28,6 +28,7 @@ LAYERS = {
     "pipeline": 3,  # the public API runs on the emulator (1) or the multi-process runner (2)
     "splitting": 1,
     "materializing": 1,  # stages of a meta-device model given tensors where they run
+    "replay": 1,  # a model's own init replayed with only some tensors real
     "weights": 1,  # safetensors read and written a stage at a time
     "host_memory": 0,  # glibc malloc settings through ctypes: no torch
     "hf": 1,

@@ -187,7 +187,7 @@ def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
         for t in tensors.values():
             if t.numel():  # a GPU tensor comes to the host one at a time
                 cpu = t.to("cpu").contiguous().reshape(-1)
-                f.write(memoryview(cpu.view(torch.uint8).numpy()))
+                f.write(cpu.view(torch.uint8).numpy().data)
 
 
 def write_shard(
