@@ -10,6 +10,7 @@ over the simulator's global order (PACI). Nothing here imports ``nobubble.exec``
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,17 @@ class Problem:
     def micro(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.batch(m // M)
         return x.chunk(M)[m % M], y.chunk(M)[m % M]
+
+
+def built_on_meta(problem: Problem) -> Problem:
+    """The same problem with its model built under ``torch.device("meta")`` (no memory): a
+    pipeline then materializes its stages (``seed=``, ``weights=``)."""
+
+    def make_model() -> nn.Module:
+        with torch.device("meta"):
+            return problem.make_model()
+
+    return dataclasses.replace(problem, make_model=make_model)
 
 
 def weights(modules: list[nn.Module]) -> dict[str, torch.Tensor]:

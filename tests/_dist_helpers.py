@@ -110,11 +110,12 @@ def numbers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def load_parts(run_dir: Path, stages: int) -> list[dict[str, Any]]:
-    folder = run_dir / "checkpoint"
-    return [
-        torch.load(folder / f"stage{s}.pt", map_location="cpu", weights_only=True)
-        for s in range(stages)
-    ]
+    """Every stage's checkpoint part (weights from its safetensors shard, the rest from its
+    .pt), checked against the manifest."""
+    from nobubble.checkpoint import load_part, read_manifest
+
+    manifest = read_manifest(run_dir)
+    return [load_part(run_dir, manifest, s) for s in range(stages)]
 
 
 def assert_same_state(a: Any, b: Any, where: str = "part") -> None:

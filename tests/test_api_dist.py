@@ -44,7 +44,10 @@ for case in cases:  # the cases of one P, one after the other in the same proces
         "weights": {n: p.detach().clone() for n, p in pipe.stages[pipe.rank].named_parameters()},
         "merged": sorted(pipe.merged_state_dict()),
         "val": pipe.evaluate(*problem.batch(99)),
+        "others_meta": all(p.is_meta for s, m in enumerate(pipe.stages) if s != pipe.rank
+                           for p in m.parameters()),
     }
+    pipe.save_weights(f"{out}/weights-{case['id']}")
 torch.save(saved, f"{out}/rank{pipe.rank}.pt")
 pipe.close()
 """
@@ -116,7 +119,7 @@ DEEP = Problem(deep_model, deep_cut, batch, loss_fn)
 
 PROBLEMS_MODULE = """
 import nobubble
-from _api_reference import Problem, tree_model, tree_forward
+from _api_reference import Problem, built_on_meta, tree_model, tree_forward
 import test_api
 PROBLEMS = {
     "seq": test_api.SEQ,
@@ -128,9 +131,11 @@ HF = ("llama", "gpt2")
 
 def get(name):
     # transformers only where a case needs it: importing it costs seconds a process
-    if name in HF and name not in PROBLEMS:
+    if name.removeprefix("meta-") in HF and name not in PROBLEMS:
         import test_hf
         PROBLEMS.update(llama=test_hf.LLAMA, gpt2=test_hf.GPT2)
+        PROBLEMS.update({"meta-llama": built_on_meta(test_hf.LLAMA),
+                         "meta-gpt2": built_on_meta(test_hf.GPT2)})
     return PROBLEMS[name]
 
 
@@ -185,6 +190,10 @@ CASES = [
     ("llama", "paci", 2, {}),
     # tied embeddings on ranks 0 and 2: the pair swaps gradients, rank 1 gets their square
     ("gpt2", "1f1b", 3, {"clip": 0.5}),
+    # built on the meta device: each rank materializes its own stage alone (seed=0, the seed of
+    # the normal build), the tied head's copy from the embedding's draws
+    ("meta-llama", "paci", 2, {"seed": 0}),
+    ("meta-gpt2", "1f1b", 3, {"clip": 0.5, "seed": 0}),
 ]
 
 
@@ -217,8 +226,10 @@ def launched(tmp_path_factory):
             (out / "rank.py").write_text(RANK_SCRIPT)
             launch(out, stages, [str(out / "rank.py"), json.dumps(cases), str(out)])
             runs[stages] = [torch.load(out / f"rank{r}.pt") for r in range(stages)]
+            get.out[stages] = out  # type: ignore[attr-defined]
         return runs[stages]
 
+    get.out = {}  # type: ignore[attr-defined]
     return get
 
 
@@ -229,7 +240,9 @@ def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, o
         pytest.skip("transformers is not installed")
     parts = [part[case_id(problem, schedule, options)] for part in launched(stages)]
     torch.set_num_threads(1)
-    pipe, losses, _ = run_pipeline(available[problem], schedule, stages, STEPS, DRAIN, **options)
+    reference, options = problem.removeprefix("meta-"), dict(options)
+    built_on_meta = options.pop("seed", None) is not None  # the reference is built normally
+    pipe, losses, _ = run_pipeline(available[reference], schedule, stages, STEPS, DRAIN, **options)
     assert all(part["losses"] == [] for part in parts[:-1]) and parts[-1]["losses"] == losses
     for rank, part in enumerate(parts):
         ours = {n: p.detach() for n, p in pipe.stages[rank].named_parameters()}
@@ -241,6 +254,39 @@ def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, o
     ]
     whole = sorted(n for s in pipe.stages for n in s.state_dict())
     assert all(part["merged"] == whole for part in parts)
+    # no rank held another rank's stage (built on meta), or every rank did (built normally)
+    assert all(part["others_meta"] == built_on_meta for part in parts)
+
+
+@pytest.mark.parametrize("problem", ["meta-llama", "meta-gpt2"])
+def test_dist_weights_saved_per_rank_load_with_from_pretrained(problem, launched):
+    """``Pipeline.save_weights`` on every rank: each writes its stage's shard, rank 0 the index
+    from their records; with the model's config beside them, transformers' from_pretrained
+    loads the folder and gives the logits of the trained pipeline's stages (the emulator's)."""
+    available = problems()
+    if problem not in available:
+        pytest.skip("transformers is not installed")
+    case = next(c for c in CASES if c[0] == problem)
+    _, schedule, stages, options = case
+    launched(stages)
+    folder = launched.out[stages] / f"weights-{case_id(problem, schedule, options)}"
+    reference = available[problem.removeprefix("meta-")]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-{k:05d}-of-{stages:05d}.safetensors" for k in range(1, stages + 1)
+    ]
+    reference.make_model().config.save_pretrained(folder)
+    transformers = pytest.importorskip("transformers")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    torch.set_num_threads(1)
+    options = {k: v for k, v in options.items() if k != "seed"}
+    pipe, _, _ = run_pipeline(reference, schedule, stages, STEPS, DRAIN, **options)
+    x = reference.batch(7)[0]
+    with torch.no_grad():
+        ours = x
+        for stage in pipe.stages:
+            ours = stage(ours)
+        assert torch.equal(reloaded(x).logits, ours)
 
 
 @pytest.mark.slow

@@ -129,7 +129,12 @@ def test_two_replicas_train_as_the_emulator_with_twice_the_micro_batch(reference
         assert_close(load_parts(reference, STAGES)[stage], load_parts(emulated, STAGES)[stage], "")
     assert sorted(p.name for p in (reference / "checkpoint").iterdir()) == [
         "manifest.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "stage0.json",
         "stage0.pt",
+        "stage1.json",
         "stage1.pt",
     ]
     summary = json.loads((reference / "summary.json").read_text())

@@ -27,6 +27,9 @@ LAYERS = {
     "exec": 1,
     "pipeline": 3,  # the public API runs on the emulator (1) or the multi-process runner (2)
     "splitting": 1,
+    "materializing": 1,  # stages of a meta-device model given tensors where they run
+    "replay": 1,  # a model's own init replayed with only some tensors real
+    "weights": 1,  # safetensors read and written a stage at a time
     "host_memory": 0,  # glibc malloc settings through ctypes: no torch
     "hf": 1,
     "export": 3,
@@ -47,6 +50,7 @@ LAYERS = {
     "metrics": 3,
     "experiments": 3,
     "bench_runtime": 3,
+    "bench_memory": 3,
     "demo": 3,
     "segments": 3,
     "time_to_target": 3,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from nobubble.checkpoint import CheckpointError
 from nobubble.cli import main
@@ -110,6 +111,39 @@ def test_corrupted_or_mismatched_checkpoint_is_refused_and_left_alone(corpus, tm
         Trainer(
             TrainConfig.from_mapping(
                 {"resume": str(out), "out": None, "lr": 1e-3}, small(corpus, out, sample_tokens=0)
+            )
+        )
+    assert _tree_digest(out) == before
+
+
+def test_a_checkpoint_is_a_sharded_safetensors_folder_and_a_corrupt_shard_is_refused(
+    corpus, tmp_path
+):
+    """Each stage's weights are a safetensors shard under the model's names, listed by the index
+    transformers reads; a shard whose bytes changed is refused on resume, nothing written."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    trainer = Trainer(small(corpus, out, stop_at=4, sample_tokens=0))
+    trainer.run()
+    folder = out / "checkpoint"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    stages = trainer.pipe.stages
+    assert index["weight_map"] == {
+        name: f"model-{s + 1:05d}-of-00002.safetensors"
+        for s, stage in enumerate(stages)
+        for name in stage.state_dict()
+    }
+    shard = load_file(str(folder / "model-00002-of-00002.safetensors"))
+    assert all(torch.equal(shard[n], t) for n, t in stages[1].state_dict().items())
+    blob = bytearray((folder / "model-00002-of-00002.safetensors").read_bytes())
+    blob[-1] ^= 0xFF  # a weight's last byte
+    (folder / "model-00002-of-00002.safetensors").write_bytes(bytes(blob))
+    before = _tree_digest(out)
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002.safetensors.*corrupted"):
+        Trainer(
+            TrainConfig.from_mapping(
+                {"resume": str(out), "out": None}, small(corpus, out, sample_tokens=0)
             )
         )
     assert _tree_digest(out) == before

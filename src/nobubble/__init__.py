@@ -9,9 +9,9 @@ The front door (docs/api.md)::
 
 Layer 0 (no torch): ``ir``, ``deps``, ``placement``, ``schedules``, ``ledger``, ``validate``,
 ``sim``, ``viz``.
-Layer 1 (torch): ``model``, ``data``, ``optim``, ``exec``; ``pipeline`` and ``splitting`` (the
-public API). Layer 2: ``dist``. Layer 3: ``config``, ``train``, ``cli``. Importing the package
-imports nothing heavy: the names below load their module on first use.
+Layer 1 (torch): ``model``, ``data``, ``optim``, ``exec``; ``pipeline``, ``splitting`` and
+``materializing`` (the public API). Layer 2: ``dist``. Layer 3: ``config``, ``train``, ``cli``.
+Importing the package imports nothing heavy: the names below load their module on first use.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ _EXPORTS = {
     "StepResult": "nobubble.pipeline",
     "MicrobatchLoss": "nobubble.pipeline",
     "split": "nobubble.splitting",
+    "materialize": "nobubble.materializing",
     "SCHEDULE_NAMES": "nobubble.core.schedules",
     "tune_host_allocator": "nobubble.host_memory",
 }
@@ -33,6 +34,7 @@ __all__ = ["__version__", *_EXPORTS]
 if TYPE_CHECKING:
     from nobubble.core.schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
     from nobubble.host_memory import tune_host_allocator as tune_host_allocator
+    from nobubble.materializing import materialize as materialize
     from nobubble.pipeline import MicrobatchLoss as MicrobatchLoss
     from nobubble.pipeline import Pipeline as Pipeline
     from nobubble.pipeline import StepResult as StepResult

@@ -7,7 +7,9 @@ rank), so both start from the same numbers: same seed, same split, same schedule
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +22,9 @@ from nobubble.core.schedules import SCHEDULES, build_schedule
 from nobubble.core.validate import validate
 from nobubble.data import TokenData, prepare_data
 from nobubble.exec import StageWorker
+from nobubble.materializing import materialize, remember
 from nobubble.model import (
+    GPT,
     ModelConfig,
     StageModule,
     build_model,
@@ -110,7 +114,40 @@ class Model:
     num_params: int
 
 
-def make_model(plan: Plan) -> Model:
+def make_model(
+    plan: Plan, local: Sequence[int] | None = None, device: torch.device | None = None
+) -> Model:
+    """The model of the run, cut into its stages.
+
+    ``local`` None (the emulator): every stage, built as a whole. Given (a rank of the
+    multi-process runtime): the model is built on the meta device and only the stages ``local``
+    get tensors, on ``device``: a Hugging Face folder's safetensors are read for those stages
+    only, and a model without weights is initialized from the seed exactly as the whole model's
+    build would (``nobubble.materialize``); the other stages stay on meta.
+    """
+    if local is not None and plan.model_cfg is not None:
+        return _gpt_per_stage(plan, local, device)
+    if local is not None:
+        path = plan.cfg.model.removeprefix("hf:")
+        from nobubble.hf import weights_of
+
+        try:
+            weights = weights_of(path)
+        except ValueError as err:  # pytorch_model.bin: readable whole only
+            log.warning("%s; every rank loads the whole model instead", err)
+        else:
+            return _hf_per_stage(plan, local, device, weights)
+    model = _whole_model(plan)
+    if local is not None:
+        from nobubble.distributed.api import release_others
+
+        release_others(model.stages, local)
+        for s in local:
+            model.stages[s] = model.stages[s].to(device)
+    return model
+
+
+def _whole_model(plan: Plan) -> Model:
     if plan.model_cfg is not None:
         num_params = plan.model_cfg.num_params()
         modules: list[nn.Module] = list(make_stages(plan))
@@ -121,16 +158,46 @@ def make_model(plan: Plan) -> Model:
     cfg = plan.cfg
     whole = load_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
     stages = split(whole, cfg.model_stages, untie=cfg.untie_embeddings)
+    return _hf_model(plan, stages, whole)
+
+
+def _hf_model(plan: Plan, stages: list[nn.Module], whole: Any) -> Model:
     ids: list[tuple[int, ...]] = [getattr(s, "layer_ids") for s in stages]  # noqa: B009
     ranges = [range(i[0], i[-1] + 1) for i in ids]
     num_params = sum(p.numel() for p in whole.parameters())
     log.info(
         "model %s: %.2fM parameters, blocks per stage %s",
-        cfg.model,
+        plan.cfg.model,
         num_params / 1e6,
         [f"{r.start}-{r.stop - 1}" for r in ranges],
     )
     return Model(stages, whole, ranges, num_params)
+
+
+def _hf_per_stage(
+    plan: Plan, local: Sequence[int], device: torch.device | None, weights: Path | None
+) -> Model:
+    from nobubble.hf import meta_model
+    from nobubble.splitting import split
+
+    cfg = plan.cfg
+    whole = meta_model(cfg.model.removeprefix("hf:"))
+    stages = split(whole, cfg.model_stages, untie=cfg.untie_embeddings)
+    seed = None if weights is not None else cfg.seed
+    materialize(stages, local, seed=seed, weights=weights, device=device or "cpu")
+    model = _hf_model(plan, stages, whole)
+    model.whole = None  # on meta but for this rank's stages: nothing to evaluate whole
+    return model
+
+
+def _gpt_per_stage(plan: Plan, local: Sequence[int], device: torch.device | None) -> Model:
+    assert plan.model_cfg is not None
+    with torch.device("meta"):
+        gpt = GPT(plan.model_cfg)
+    stages = split_model(gpt, plan.schedule.num_stages, plan.layer_ranges, share=True)
+    remember(stages, gpt)
+    materialize(stages, local, seed=plan.cfg.seed, device=device or "cpu")
+    return Model(list(stages), None, plan.layer_ranges, plan.model_cfg.num_params())
 
 
 def load_data(cfg: TrainConfig) -> TokenData:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from nobubble.core.errors import MissingExtra
+from nobubble.materializing import remember
 from nobubble.splitting import balanced_cuts, compute_cost
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -131,6 +132,35 @@ def load_model(path: str, seed: int = 0) -> Any:
     return model.train()
 
 
+def meta_model(path: str) -> Any:
+    """The causal LM of ``path``'s config built on the meta device (fp32, no memory): split it,
+    then ``nobubble.materialize`` each process's stages (``weights_of(path)`` or a seed)."""
+    transformers = require_transformers()
+    config = transformers.AutoConfig.from_pretrained(_folder(path), local_files_only=True)
+    check_family(config.model_type)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
+
+
+def weights_of(path: str) -> Path | None:
+    """The folder of ``path``'s safetensors weights (one file or sharded with its index), or
+    None for a config alone. Weights only as pytorch_model.bin cannot be read a tensor at a
+    time: a ValueError says how to convert them."""
+    folder = _folder(path)
+    if (folder / "model.safetensors").is_file() or (
+        folder / "model.safetensors.index.json"
+    ).is_file():
+        return folder
+    if any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(
+            f"hf:{path} holds its weights as pytorch_model.bin, which every process would "
+            "have to read whole: save it as safetensors first (AutoModelForCausalLM."
+            "from_pretrained(DIR).save_pretrained(DIR2)) and pass hf:DIR2"
+        )
+    return None
+
+
 def check_family(model_type: str) -> None:
     if model_type not in FAMILIES:
         raise ValueError(
@@ -155,7 +185,12 @@ def tied_names(model: Any) -> tuple[str, str] | None:
     embed, head = _embedding(model), model.lm_head.weight
     if embed.weight is not head:
         return None
-    prefix = "transformer.wte" if model.config.model_type == "gpt2" else "model.embed_tokens"
+    return embedding_names(model.config.model_type)
+
+
+def embedding_names(model_type: str) -> tuple[str, str]:
+    """The (input embedding, head) weight names of a family."""
+    prefix = "transformer.wte" if model_type == "gpt2" else "model.embed_tokens"
     return f"{prefix}.weight", "lm_head.weight"
 
 
@@ -313,6 +348,8 @@ def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> li
     ]
     if tied is not None and num_stages > 1 and not untie:
         stages[-1].tied_parameters = {tied[1]: tied[0]}
+    # on meta: the head's own copy starts as the embedding (as the clone above would)
+    remember(stages, model, {tied[1]: tied[0]} if tied is not None and num_stages > 1 else None)
     return stages
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,34 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rank_memory(
+    workers: Sequence[Any], rss_before_model: int | None, peak_after_model: int
+) -> dict[str, Any]:
+    """A rank's memory figures for its run summary: its resident set before the model was
+    built, its peak once the model was built and at the end (``getrusage``), what its own
+    stages hold (weights, optimizer state, the most bytes of activations held for backward;
+    gradients take the weights' bytes), and the freed memory malloc keeps at the end."""
+    from nobubble.host_memory import malloc_free_bytes, peak_rss_bytes
+
+    params = [p for w in workers for p in w.module.parameters()]
+    state = [
+        t
+        for w in workers
+        for opt in getattr(w.optimizer, "parts", {}).values()
+        for entry in opt.state.values()
+        for t in entry.values()
+        if hasattr(t, "element_size")
+    ]
+    return {
+        "stages": [w.stage for w in workers],
+        "rss_before_model": rss_before_model,
+        "peak_after_model": peak_after_model,
+        "peak_rss": peak_rss_bytes(),
+        "malloc_free": malloc_free_bytes(),
+        "params": sum(p.numel() for p in params),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+        "activation_bytes": max(w.peak_activation_bytes for w in workers),
+    }

@@ -17,8 +17,10 @@ finish their steps in later calls. Nothing is ever invented.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from nobubble.core.validate import validate
 from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interpreters
 from nobubble.exec.tree import Tree
 from nobubble.exec.worker import Tie
+from nobubble.materializing import materialize, on_meta
 from nobubble.optim import (
     CORRECTIONS,
     DelayAwareLR,
@@ -207,6 +210,14 @@ class Pipeline:
             the DTensor parameters.
         steps: the total number of steps, when known: the schedule then ends there (the last
             drain keeps no weight version for a batch that will not come); None: open-ended.
+        seed, init, weights, device: for stages on the meta device (a model built under
+            ``torch.device("meta")`` and cut by ``nobubble.split``): this process gives real
+            tensors on ``device`` to the stages it runs, and only to those (default: the GPU of
+            LOCAL_RANK when CUDA is available under runtime="dist", else the CPU). ``weights``
+            (a safetensors file, or a folder with ``model.safetensors`` or a sharded index)
+            loads them, reading only their tensors; ``seed`` gives bitwise the values the
+            model's own init gives it built normally after ``torch.manual_seed(seed)``;
+            ``init(model)`` replaces that init (``nobubble.materialize``).
     """
 
     def __init__(
@@ -237,8 +248,22 @@ class Pipeline:
         bucket_mb: float = 25.0,
         shard: str = "none",
         backend: str | None = None,
+        seed: int | None = None,
+        init: Callable[[nn.Module], Any] | None = None,
+        weights: str | os.PathLike[str] | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
         self.stages = _check_stages(stages)
+        on_meta_device = [s for s, module in enumerate(self.stages) if on_meta(module)]
+        given = [
+            k for k, v in (("seed", seed), ("init", init), ("weights", weights)) if v is not None
+        ]
+        if given and not on_meta_device:
+            raise ValueError(
+                f"{given[0]}= gives values to stages built on the meta device, and no stage is: "
+                f"build the model under torch.device('meta') before nobubble.split, or drop "
+                f"{given[0]}="
+            )
         if steps is not None and (
             isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
         ):
@@ -353,10 +378,13 @@ class Pipeline:
             if shard == "none"
             else _fsdp().check_shard(shard, data_parallel, optimizer, self.ties)
         )
+        target = _target_device(device, runtime)
         self.mesh = (
             None
             if runtime == "emulate"
-            else _dist().join(self.num_stages, self.stages, where, data_parallel, backend)
+            else _dist().join(
+                self.num_stages, self.stages, where, data_parallel, backend, device=target
+            )
         )
         # this process's pipeline rank (its pp coordinate) and its replica (dp coordinate)
         self.rank = None if self.mesh is None else self.mesh.pp_rank
@@ -365,6 +393,18 @@ class Pipeline:
         self.local = (
             list(range(self.num_stages)) if self.rank is None else list(where.stages_of(self.rank))
         )
+        if any(s in on_meta_device for s in self.local):
+            if not given:
+                raise ValueError(
+                    f"stage {self.local[0]} is on the meta device: give seed= (the seed the model "
+                    "would be built with, after torch.manual_seed), init= (your init of the whole "
+                    "model) or weights= (a safetensors file or folder)"
+                )
+            where_to = target if target is not None else torch.device("cpu")
+            weights_path = Path(os.fspath(weights)) if weights is not None else None
+            materialize(
+                self.stages, self.local, seed=seed, init=init, weights=weights_path, device=where_to
+            )
         self.workers: list[StageWorker] = []
         for s in self.local:
             module = self.stages[s]
@@ -647,6 +687,30 @@ class Pipeline:
             return _dist().gather_state(state, self.mesh.pp_group)
         return state
 
+    def save_weights(self, folder: str | os.PathLike[str]) -> Path:
+        """The model's weights as safetensors shards in ``folder``, one per stage under the
+        model's own names (``model-0000k-of-0000n.safetensors``), with the index transformers
+        reads. Each process writes its own stages' shards; the index is assembled from the
+        shards' small records, so no process holds another stage's tensors. With
+        runtime="dist", call it on every rank (replica 0 writes). A Hugging Face model's
+        folder loads with ``from_pretrained`` once its config is saved there too."""
+        from nobubble.weights import index_of, write_index, write_shard
+
+        self._check_drained("save_weights()")
+        out = Path(os.fspath(folder))
+        records = []
+        if self.dp_rank == 0:
+            for s in self.local:
+                state = self.stages[s].state_dict()
+                records.append(write_shard(out, s, self.num_stages, state))
+        if self.mesh is not None:
+            records = _dist().gather_records(records, self.mesh.pp_group)
+        if self.dp_rank == 0 and self.rank in (None, 0):
+            write_index(out, index_of(sorted(records, key=lambda r: r["stage"])))
+        if self.mesh is not None:
+            _dist().gather_records([], self.mesh.pp_group)  # the index exists on return
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue: weights, optimizer and correction state per stage."""
         self._check_drained("state_dict()")
@@ -707,6 +771,21 @@ class Pipeline:
                     "or have other shapes: split the same model at the same points"
                 )
         self.load_stage_parts(state["step"], state["stages"])
+
+
+def _target_device(device: str | torch.device | None, runtime: str) -> torch.device | None:
+    """Where stages on meta get their tensors: ``device``, or under runtime="dist" the GPU of
+    LOCAL_RANK when CUDA is available (None: decide from the stages)."""
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"device={device!r} is not a torch device: use 'cpu' or 'cuda:0'"
+            ) from None
+    if runtime == "dist" and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return None
 
 
 def _dist() -> Any:
@@ -811,7 +890,8 @@ def _find_ties(stages: list[nn.Module]) -> list[Tie]:
                     )
                 )
             t, p = owner[other]
-            if not torch.equal(p, owner[name][1]):
+            both = not (p.is_meta or owner[name][1].is_meta)  # a process holds both copies
+            if both and not torch.equal(p, owner[name][1]):
                 raise ValueError(f"tied parameters {name!r} and {other!r} start unequal")
             a, b = sorted([(s, name), (t, other)])
             ties.append((a[0], a[1], b[0], b[1]))

@@ -14,6 +14,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from nobubble.materializing import remember
+from nobubble.model.gpt import GPT
+
 
 def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(model, nn.Sequential):
@@ -74,12 +77,22 @@ def split(model: nn.Module, points: Sequence[str] | int, *, untie: bool = False)
     stages, and the cut balances their compute over the children (``compute_cost``).
 
     A Hugging Face causal LM (``nobubble.hf``) is cut before its named blocks instead, e.g.
-    ``["model.layers.4"]``; ``untie`` gives a head tied to the embedding its own copy.
+    ``["model.layers.4"]``; ``untie`` gives a head tied to the embedding its own copy. The
+    internal GPT (``nobubble.model.GPT``) is cut before its blocks, ``["layers.4"]``, or into
+    ``points`` stages balanced by ``partition_layers``.
+
+    A model built under ``torch.device("meta")`` is cut the same way; its stages remember the
+    whole model, so that ``nobubble.Pipeline`` (or ``nobubble.materialize``) gives each process
+    real tensors for its own stages only, initialized as the model's own init would.
     """
     if hasattr(model, "config") and hasattr(model.config, "model_type"):
         from nobubble.hf import split_hf
 
         return split_hf(model, points, untie=untie)
+    if isinstance(model, GPT):
+        gpt_stages = _split_gpt(model, points)
+        remember(gpt_stages, model)
+        return gpt_stages
     units = _units(model)
     names = [name for name, _ in units]
     if isinstance(points, int) and not isinstance(points, bool):
@@ -125,4 +138,32 @@ def split(model: nn.Module, points: Sequence[str] | int, *, untie: bool = False)
                 "that every stage holds at least one layer with weights"
             )
         stages.append(stage)
+    remember(stages, model)
     return stages
+
+
+def _split_gpt(model: GPT, points: Sequence[str] | int) -> list[nn.Module]:
+    """The internal GPT's stages sharing its modules: cut before the named blocks
+    (``"layers.4"``), or into ``points`` stages balanced by ``partition_layers``."""
+    from nobubble.model import partition_layers, split_model
+
+    cfg = model.cfg
+    if isinstance(points, int) and not isinstance(points, bool):
+        ranges = partition_layers(cfg, points)
+    else:
+        names = [f"layers.{i}" for i in range(cfg.n_layers)]
+        if isinstance(points, str) or not isinstance(points, Sequence):
+            raise TypeError(f"points must be a list of block names or a number, got {points!r}")
+        starts: list[int] = []
+        for point in points:
+            if point not in names or names.index(point) == 0:
+                raise ValueError(
+                    f"split point {point!r} names no block after the first; the GPT's blocks "
+                    f"are layers.0 .. layers.{cfg.n_layers - 1}"
+                )
+            if starts and names.index(point) <= starts[-1]:
+                raise ValueError(f"split point {point!r}: list the points in order, each once")
+            starts.append(names.index(point))
+        bounds = [0, *starts, cfg.n_layers]
+        ranges = [range(a, b) for a, b in itertools.pairwise(bounds)]
+    return list(split_model(model, len(ranges), ranges, share=True))

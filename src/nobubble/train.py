@@ -268,7 +268,7 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         staging = staging_dir(self.run_dir, step)
         for worker, part in zip(self.workers, self.pipe.stage_parts(), strict=True):
-            save_part(staging, worker.stage, part)
+            save_part(staging, worker.stage, part, self.cfg.model_stages)
         finalize(
             self.run_dir,
             step,

@@ -1,5 +1,5 @@
-"""``nobubble bench sim | emulator | runtime | time-to-target``: benchmarks that print figures,
-never timed tests."""
+"""``nobubble bench sim | emulator | runtime | memory | time-to-target``: benchmarks that
+print figures, never timed tests."""
 
 from __future__ import annotations
 
@@ -283,6 +283,61 @@ def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----- nobubble bench memory ----------------------------------------------------------------------
+def cmd_bench_memory(args: argparse.Namespace) -> int:
+    from nobubble.bench_memory import MemoryBench, run
+
+    cfg = MemoryBench(
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        layers=args.layers,
+        vocab=args.vocab_size,
+        stages=tuple(int(p) for p in args.stages.split(",")),
+        schedule=args.schedule,
+        steps=args.steps,
+        microbatches=args.microbatches,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        data=args.data,
+        allocator=args.allocator,
+    )
+
+    def progress(text: str) -> None:
+        if not args.json:
+            print(text, flush=True)
+
+    result = run(cfg, progress)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"HF Llama, {cfg.layers} blocks, hidden {cfg.hidden}, intermediate {cfg.intermediate}, "
+        f"vocab {cfg.vocab}: {result['params'] / 1e6:.1f}M parameters, "
+        f"{result['whole_weights_bytes'] / (1 << 20):.0f} MiB of fp32 weights (the whole "
+        "model). build: peak once the model was built, minus the idle rank's; growth: the "
+        "run's peak minus the idle rank's; bound: the stage's weights + grads + optimizer "
+        "state + activations; malloc_free: freed memory malloc kept at the end; seed_*: the "
+        "same from the config alone"
+    )
+    held = True
+    for stages in cfg.stages:
+        run_p = result[f"P={stages}"]
+        print(
+            f"\nP={stages} ({cfg.schedule}, {run_p['seconds']} s, val loss {run_p['val_loss']:.4f})"
+        )
+        print_table(run_p["ranks"], list(run_p["ranks"][0]))
+        held = held and all(r["holds"] for r in run_p["ranks"])
+    if "export" in result:
+        e = result["export"]
+        print(
+            f"\nexport: {len(e['shards'])} shards; from_pretrained's val loss "
+            f"{e['reloaded_val_loss']:.6f}, the pipeline's {e['pipeline_val_loss']:.6f} "
+            f"(|difference| {e['difference']:.2e})"
+        )
+    print("every rank within its bound" if held else "some rank exceeded its bound")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print figures")
     bench = p.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -399,3 +454,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--out", default="runs/time-to-target")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_time_to_target)
+
+    q = bench.add_parser(
+        "memory", help="peak resident memory per rank of a HF Llama under --runtime dist"
+    )
+    q.add_argument("--stages", default="1,4,8", help="comma list of P")
+    q.add_argument("--schedule", default="paci", choices=SCHEDULE_NAMES)
+    q.add_argument("--hidden", type=positive_int, default=1024)
+    q.add_argument("--intermediate", type=positive_int, default=2816)
+    q.add_argument("--layers", type=positive_int, default=8)
+    q.add_argument("--vocab-size", type=positive_int, default=8192)
+    q.add_argument("--steps", type=positive_int, default=4)
+    q.add_argument("--microbatches", type=positive_int, default=8)
+    q.add_argument("--micro-batch-size", type=positive_int, default=1)
+    q.add_argument("--seq-len", type=positive_int, default=64)
+    q.add_argument("--data", default="shakespeare")
+    q.add_argument(
+        "--allocator",
+        default="as-shipped",
+        choices=["as-shipped", "release"],
+        help="glibc malloc in the ranks: as shipped (freed memory kept for reuse), or every "
+        "freed block of 64 KiB or more given back at once (the peak follows the memory in use)",
+    )
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_memory)

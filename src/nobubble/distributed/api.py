@@ -71,12 +71,14 @@ def join(
     placement: Placement | None = None,
     data_parallel: int = 1,
     backend: str | None = None,
+    device: torch.device | None = None,
 ) -> Mesh:
     """Join (or start, from torchrun's environment) the process group and lay the world out
     as a ``(data_parallel, ranks)`` DeviceMesh with dims ("dp", "pp"); pipeline rank r runs the
     stages ``placement`` gives it (default: stage r). The world must hold one process per
     pipeline rank and replica. ``backend`` starts the group with that backend (None: NCCL for
-    stages on a GPU, else gloo), or must be the backend of the group already started."""
+    stages on a GPU, else gloo), or must be the backend of the group already started. The
+    device is that of the rank's first stage, or ``device`` while that stage is still on meta."""
     where = placement or one_per_rank(num_stages)
     ranks = where.num_ranks
     world_needed = ranks * data_parallel
@@ -95,7 +97,7 @@ def join(
         if world_env != world_needed:  # before the rendezvous, which would wait for no one
             raise ValueError(_world_error(world_env, world_needed, how))
         first = where.stages_of(int(os.environ["RANK"]) % ranks)[0]
-        device = next(stages[first].parameters()).device
+        device = _device_of(stages[first], device)
         if backend == "nccl" and device.type != "cuda":
             raise ValueError(
                 f"backend='nccl' moves GPU tensors only, but this rank's stage {first} is on "
@@ -112,7 +114,7 @@ def join(
     world = dist.get_world_size()
     if world != world_needed:
         raise ValueError(_world_error(world, world_needed, how))
-    device = next(stages[where.stages_of(dist.get_rank() % ranks)[0]].parameters()).device
+    device = _device_of(stages[where.stages_of(dist.get_rank() % ranks)[0]], device)
     # gloo moves host memory (stages on a GPU included: staging.py), so its mesh is the CPU's
     mesh_device = "cpu" if staged() else device.type
     if data_parallel == 1:  # one replica: no dp groups (each gloo group runs its own threads)
@@ -124,6 +126,13 @@ def join(
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     pp_ranks = [int(r) for r in mesh.mesh[dp_rank].tolist()]
     return Mesh(pp_rank, dp_rank, pp_ranks, mesh.get_group("pp"), mesh.get_group("dp"), mesh)
+
+
+def _device_of(stage: nn.Module, fallback: torch.device | None) -> torch.device:
+    found = next(stage.parameters()).device
+    if found.type != "meta":
+        return found
+    return fallback if fallback is not None else torch.device("cpu")
 
 
 def _world_error(world: int, needed: int, how: str) -> str:
@@ -173,6 +182,13 @@ def gather_state(state: dict[str, torch.Tensor], group: Any = None) -> dict[str,
     for part in parts:
         merged.update(part)
     return merged
+
+
+def gather_records(records: list[Any], group: Any = None) -> list[Any]:
+    """Every rank's small ``records`` (lists of JSON-like dicts), concatenated in rank order."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, records, group=group)
+    return [record for part in parts for record in part]
 
 
 def close() -> None:

@@ -46,12 +46,12 @@ from nobubble.core.comm import check_communication
 from nobubble.core.ir import STEP, Action
 from nobubble.core.sim.metrics import measured_utilization
 from nobubble.core.viz import save_gantt, save_trace, trace_events
-from nobubble.distributed.api import release_others
 from nobubble.distributed.clock import CudaClock, HostClock
 from nobubble.distributed.data_parallel import overlap
 from nobubble.distributed.transport import StrictTransport, shutdown
 from nobubble.exec import Interpreter, misplaced
-from nobubble.metrics import MetricsWriter, truncate_metrics
+from nobubble.host_memory import peak_rss_bytes, rss_bytes
+from nobubble.metrics import MetricsWriter, rank_memory, truncate_metrics
 from nobubble.pipeline import StepResult
 from nobubble.train import (
     RunResult,
@@ -140,9 +140,10 @@ class RankRun:
         # the rank of the last stage holds the loss; replica 0's writes the metrics (pipeline
         # rank 0 in a V); replica 0's global ranks are its pipeline ranks
         self.last = placement.rank_of(cfg.model_stages - 1)
-        stages = make_model(self.plan).stages
-        for s in self.local:
-            stages[s] = stages[s].to(self.device)
+        self.rss_before_model = rss_bytes()
+        # this rank's stages only: the others stay on the meta device (docs/runtime.md)
+        stages = make_model(self.plan, self.local, self.device).stages
+        self.peak_after_model = peak_rss_bytes()
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
         assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
         # What every rank will post is checked to complete under NCCL's rules before any step.
@@ -152,7 +153,6 @@ class RankRun:
             self.plan.drain_points,
             data_parallel=cfg.data_parallel > 1 and cfg.shard == "none",
         )
-        release_others(stages, self.local)
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s, self.device) for s in self.local]
             self.pipe.load_stage_parts(self.start_step, parts)
@@ -293,9 +293,14 @@ class RankRun:
             # dp group first (whole tensors, the replicated format), so every replica takes part
             if self.dp == 0 or self.cfg.shard != "none":
                 for worker in self.workers:
-                    part = worker.state_dict()
+                    part = worker.state_dict(copy=False)  # written at once: no copy
                     if self.dp == 0:
-                        save_part(staging_dir(self.run_dir, step), worker.stage, part)
+                        save_part(
+                            staging_dir(self.run_dir, step),
+                            worker.stage,
+                            part,
+                            self.cfg.model_stages,
+                        )
             self._barrier()  # every part is on disk before the manifest marks it complete
             if self.rank == self.last:
                 finalize(
@@ -393,6 +398,10 @@ class RankRun:
             ],
             "state": self._sample_state(),
             "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
+            "memory": {
+                "rank": self.rank,
+                **rank_memory(self.workers, self.rss_before_model, self.peak_after_model),
+            },
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)
@@ -467,6 +476,7 @@ def write_outputs(run: RankRun, gathered: list[dict[str, Any]]) -> RunResult:
     peaks = _by_stage(replica0, [g["peaks"] for g in replica0])
     summary = run_summary(run.cfg, run.records, peaks, text)
     summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
+    summary["memory"] = [g["memory"] for g in gathered]  # per rank, in bytes
     if run.cfg.data_parallel > 1:  # seconds per all-reduce, and the share hidden behind work
         figures = [g["allreduce"] for g in gathered]
         summary.update(

@@ -584,12 +584,15 @@ class StageWorker:
         return squares
 
     # ----- checkpoints ---------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything this stage needs to continue from a drain point."""
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """Everything this stage needs to continue from a drain point. ``copy=False``: the
+        module's own tensors instead of copies (a checkpoint written at once, without a
+        second copy of the weights)."""
         assert not self.saved and self.backwards_in_batch == 0, "checkpoint only at a drain point"
+        module = {k: v.detach() for k, v in self.module.state_dict().items()}
         state = {
             "stage": self.stage,
-            "module": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
+            "module": {k: v.clone() for k, v in module.items()} if copy else module,
             "optimizer": self.optimizer.state_dict(),
             "correction": self.correction.state_dict(),
             "versions": self.versions.state_dict(),

@@ -73,13 +73,14 @@ class StageModule(nn.Module):
 
 
 def split_model(
-    model: GPT, num_stages: int, layer_ranges: list[range] | None = None
+    model: GPT, num_stages: int, layer_ranges: list[range] | None = None, *, share: bool = False
 ) -> list[StageModule]:
     """Deep copies of ``model``'s pieces as ``num_stages`` stage modules.
 
     Each stage is independent of ``model`` and of the others, and holds the same numbers as the
     same-named parameters of ``model``: one seed gives one initial model whatever the number of
-    stages. ``layer_ranges`` defaults to partition_layers(model.cfg, num_stages).
+    stages. ``layer_ranges`` defaults to partition_layers(model.cfg, num_stages). ``share``:
+    the stages hold ``model``'s own modules instead of copies (``nobubble.split`` of a GPT).
     """
     cfg = model.cfg
     if isinstance(num_stages, bool) or not isinstance(num_stages, int):
@@ -87,6 +88,7 @@ def split_model(
     if layer_ranges is None:
         layer_ranges = partition_layers(cfg, num_stages)
     check_layer_ranges(cfg.n_layers, num_stages, layer_ranges)
+    take = (lambda module: module) if share else copy.deepcopy
     stages = []
     for stage, layer_range in enumerate(layer_ranges):
         is_first, is_last = stage == 0, stage == num_stages - 1
@@ -96,10 +98,10 @@ def split_model(
                 cfg,
                 stage,
                 num_stages,
-                copy.deepcopy(layers),
-                embed=copy.deepcopy(model.embed) if is_first else None,
-                norm=copy.deepcopy(model.norm) if is_last else None,
-                head=copy.deepcopy(model.head) if is_last else None,
+                take(layers),
+                embed=take(model.embed) if is_first else None,
+                norm=take(model.norm) if is_last else None,
+                head=take(model.head) if is_last else None,
             )
         )
     return stages
