@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nobubble.assemble import load_data, make_plan, make_stages, make_worker
-from nobubble.config import TrainConfig
-from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker, misplaced
-from nobubble.exec import worker as worker_module
+from nobubble.app.train.assemble import load_data, make_plan, make_stages, make_worker
+from nobubble.app.train.config import TrainConfig
+from nobubble.engine import InProcessTransport, Interpreter, StageWorker, misplaced
+from nobubble.engine import worker as worker_module
+from nobubble.runtime.emulator import Emulator
 
 META = torch.device("meta")
 

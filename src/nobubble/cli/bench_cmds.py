@@ -11,7 +11,7 @@ from nobubble.cli.schedule_cmds import positive_int, print_table
 from nobubble.core.schedules import SCHEDULE_NAMES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 
-# the torch peers of `bench runtime` (nobubble.distributed.torch_peer.TORCH_SCHEDULES, named
+# the torch peers of `bench runtime` (nobubble.app.ranks.torch_peer.TORCH_SCHEDULES, named
 # here so that the CLI's parser does not import torch)
 TORCH_PEERS = (
     "torch-gpipe",
@@ -65,7 +65,7 @@ def cmd_bench_emulator(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from nobubble.bench import EmulatorBench, bench_emulator
+    from nobubble.app.bench.emulator import EmulatorBench, bench_emulator
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -116,7 +116,7 @@ def synthetic_pair(text: str) -> tuple[float, float]:
 
 def bench_synthetic(args: argparse.Namespace) -> int:
     """Fixed-duration waits on real processes against the simulator's prediction."""
-    from nobubble.distributed.synthetic import compare_with_simulator
+    from nobubble.app.ranks.synthetic import compare_with_simulator
 
     names = [n.strip() for n in args.schedule.split(",") if n.strip() in SCHEDULE_NAMES]
     fwd, bwd = args.synthetic
@@ -165,7 +165,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         return bench_synthetic(args)
     from tqdm import tqdm
 
-    from nobubble.bench_runtime import TORCH_TWINS, RuntimeBench, bench_runtime
+    from nobubble.app.bench.runtime import TORCH_TWINS, RuntimeBench, bench_runtime
 
     cfg = RuntimeBench(
         model=args.model,
@@ -253,8 +253,8 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
 def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from nobubble.demo import demo_flags, eval_every
-    from nobubble.time_to_target import equal_budget, format_race, parse_variants, race
+    from nobubble.app.demo import demo_flags, eval_every
+    from nobubble.app.time_to_target import equal_budget, format_race, parse_variants, race
 
     variants = parse_variants(args.variants)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -285,7 +285,7 @@ def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
 
 # ----- nobubble bench memory ----------------------------------------------------------------------
 def cmd_bench_memory(args: argparse.Namespace) -> int:
-    from nobubble.bench_memory import MemoryBench, run
+    from nobubble.app.bench.memory import MemoryBench, run
 
     cfg = MemoryBench(
         hidden=args.hidden,

@@ -10,7 +10,7 @@ from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nobubble.config import TrainConfig
+    from nobubble.app.train.config import TrainConfig
 
 HELP = {
     "model": "a preset (tiny, mini, small, medium, ...) or hf:PATH, a Hugging Face model folder "
@@ -59,7 +59,7 @@ def _parse_bool(text: str) -> bool:
 
 def build_train_parser() -> argparse.ArgumentParser:
     """The full ``train`` parser; built only for ``train`` because it imports torch."""
-    from nobubble.config import TrainConfig
+    from nobubble.app.train.config import TrainConfig
     from nobubble.core.schedules import SCHEDULE_NAMES
     from nobubble.data.config import TOKENIZERS
     from nobubble.optim import OPTIMIZERS
@@ -107,7 +107,7 @@ def build_train_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    from nobubble.config import TrainConfig
+    from nobubble.app.train.config import TrainConfig
 
     values: dict[str, Any] = TrainConfig.load(args.config) if args.config else {}
     names = {f.name for f in fields(TrainConfig)}
@@ -122,23 +122,23 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(outer: argparse.Namespace) -> int:
     args = build_train_parser().parse_args(outer.train_args)
     cfg = config_from_args(args)
-    from nobubble.host_memory import tune_host_allocator
+    from nobubble.core.host_memory import tune_host_allocator
 
     tune_host_allocator()  # this process trains: keep freed memory between steps
     if cfg.runtime == "dist":  # layer 2, imported only when asked for
         if "RANK" in os.environ:  # one rank, started by torchrun or by our launcher
-            from nobubble.distributed.runtime import run_rank
+            from nobubble.app.ranks.runtime import run_rank
 
             rank_result = run_rank(cfg)
             if rank_result is None or os.environ.get("NOBUBBLE_LAUNCHED"):
                 return 0  # only the last rank reports, or the launcher does
             result = rank_result
         else:
-            from nobubble.distributed.launch import launch
+            from nobubble.app.ranks.launch import launch
 
             result = launch(cfg, outer.train_args)
     else:
-        from nobubble.train import Trainer
+        from nobubble.app.train.trainer import Trainer
 
         result = Trainer(cfg).run()
     summary = result.summary
