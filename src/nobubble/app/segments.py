@@ -68,7 +68,7 @@ def segment_figures(records: list[dict[str, Any]], start: int, end: int) -> dict
 def check_earlier_run(run_dir: Path, flags: Sequence[str]) -> None:
     """A run folder from an earlier invocation is continued only if it has these settings."""
     from nobubble.app.train.config import TrainConfig
-    from nobubble.cli.train_cmds import build_train_parser, config_from_args
+    from nobubble.app.train.flags import build_train_parser, config_from_args
 
     if not (run_dir / "config.json").exists():
         return

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from nobubble.core.comm import outgoing
+from nobubble.core.comm_ops import outgoing
 from nobubble.core.schedules import SCHEDULES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 

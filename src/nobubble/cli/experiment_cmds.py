@@ -38,7 +38,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from nobubble.app.experiments import run_experiment
+    from nobubble.app.experiments.experiment import run_experiment
 
     summary = run_experiment(
         args.name,

@@ -77,8 +77,8 @@ def run_key(spec: RunSpec, base: dict[str, Any], code: str | None = None) -> str
 PRELOAD = [
     "torch",
     "torch._dynamo",
-    "nobubble.cli",
-    "nobubble.cli.train_cmds",
+    "nobubble.app.command",
+    "nobubble.app.train.flags",
     "nobubble.app.train.trainer",
     "nobubble.app.experiments.runner",  # the child runs its code as it was when the server started
 ]
@@ -95,10 +95,10 @@ def _train_child(config_file: str, log_file: str, env: dict[str, str]) -> None:
     os.close(fd)
     os.environ.clear()
     os.environ.update(env, TOKENIZERS_PARALLELISM="false")
-    from nobubble.cli import main
+    from nobubble.app.command import run_command, train_main
 
     try:
-        status = main(["train", "--config", config_file])
+        status = run_command("train", lambda: train_main(["--config", config_file]))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

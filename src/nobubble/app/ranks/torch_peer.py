@@ -341,7 +341,7 @@ def launch_peer(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nobubble.cli.train_cmds import build_train_parser, config_from_args
+    from nobubble.app.train.flags import build_train_parser, config_from_args
 
     outer = argparse.ArgumentParser(prog="python -m nobubble.app.ranks.torch_peer", add_help=False)
     outer.add_argument("--schedule", required=True, choices=list(TORCH_SCHEDULES))

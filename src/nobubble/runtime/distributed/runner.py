@@ -31,7 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils import _pytree as pytree
 
-from nobubble.core.comm import GATHER, Batch, check_communication
+from nobubble.core.comm import check_communication
+from nobubble.core.comm_ops import GATHER, Batch
 from nobubble.core.ir import STEP, Action, F, Schedule
 from nobubble.core.placement import Placement, one_per_rank
 from nobubble.engine import Interpreter, StageWorker

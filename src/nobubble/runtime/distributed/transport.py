@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.core.comm import ALLREDUCE, COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch, CommOp
+from nobubble.core.comm_ops import ALLREDUCE, COLLECTIVES, DRAIN, GATHER, RECV, SEND, Batch, CommOp
 from nobubble.core.ir import STEP, Action
 from nobubble.core.placement import Placement, one_per_rank, rank_of
 from nobubble.optim import sum_over_stages
