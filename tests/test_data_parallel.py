@@ -135,7 +135,7 @@ def test_the_replicas_really_differ_before_the_all_reduce():
 
 
 def test_a_global_batch_is_cut_into_each_replicas_slice_of_every_micro_batch():
-    from nobubble.api.pipeline import _shard_tree
+    from nobubble.api.steps import shard_tree as _shard_tree
 
     x = torch.arange(16).reshape(16, 1)  # M=2 micro-batches of 8 rows, D=4 replicas of 2
     parts = [_shard_tree({"x": x}, 2, 4, r)["x"].flatten().tolist() for r in range(4)]
@@ -246,7 +246,7 @@ def _linear_worker(
     model: torch.nn.Module, micro: int, schedule_name: str = "1f1b", stages: int = 1
 ):
     """The last stage of a ``stages``-stage ``schedule_name`` pipeline, trained with SGD."""
-    from nobubble.api.pipeline import TorchOptimizer
+    from nobubble.api.arguments import TorchOptimizer
     from nobubble.core.ledger import build_ledger
     from nobubble.core.schedules import build_schedule
     from nobubble.engine import StageWorker

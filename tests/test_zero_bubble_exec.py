@@ -27,7 +27,7 @@ from _api_reference import (
     run_pipeline,
     weights,
 )
-from nobubble.api.pipeline import TorchOptimizer
+from nobubble.api.arguments import TorchOptimizer
 from nobubble.app.train.config import TrainConfig
 from nobubble.core.ir import Action, B, I, Schedule, W
 from nobubble.core.ledger import build_ledger
