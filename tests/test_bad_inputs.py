@@ -144,7 +144,7 @@ def test_a_bad_pipeline_backend_is_refused_before_any_work(backend, runtime, mes
 def test_nccl_for_a_stage_on_the_cpu_is_refused_before_the_group_starts(monkeypatch):
     import torch.distributed as dist
 
-    from nobubble.runtime.distributed.runner import join
+    from nobubble.runtime.distributed.join import join
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -15,7 +15,7 @@ from typing import Any
 
 from nobubble.app.experiments import stats
 from nobubble.app.experiments.analysis import COLOURS, FORMAT, by_seed, select
-from nobubble.app.experiments.grids import GAP_CORRECTIONS, LR_FACTORS
+from nobubble.app.experiments.grids_gap import GAP_CORRECTIONS, LR_FACTORS
 from nobubble.app.experiments.runner import RunOutcome
 
 # (asynchronous schedule, its synchronous baseline, the baseline's label in the grid)

@@ -71,7 +71,7 @@ from nobubble.optim import (
     scale_grads_,
     sum_over_stages,
 )
-from nobubble.runtime.distributed.runner import release_others
+from nobubble.runtime.distributed.join import release_others
 from nobubble.runtime.distributed.transport import shutdown
 
 # torch schedule -> (its class, the nobubble schedule whose placement, split and checks it takes).

@@ -139,7 +139,7 @@ def make_model(
             return _hf_per_stage(plan, local, device, weights)
     model = _whole_model(plan)
     if local is not None:
-        from nobubble.runtime.distributed.runner import release_others
+        from nobubble.runtime.distributed.join import release_others
 
         release_others(model.stages, local)
         for s in local:
