@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -18,25 +17,29 @@ from typing import Any
 
 import tomllib
 
+from nobubble.app.train.config_fields import (
+    TrainFields,
+    check_choice,
+    check_finite_nonnegative,
+    check_port,
+    check_positive,
+)
 from nobubble.core.schedules import (
     SCHEDULE_NAMES,
     SCHEDULES,
     check_trainable,
-    resolve_microbatches,
     resolve_virtual_stages,
 )
 from nobubble.core.util import physical_memory_bytes
-from nobubble.data import DataConfig
 from nobubble.model import MODEL_PRESETS, model_config
 from nobubble.model.hf import check_installed, config_layers
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
-from nobubble.optim import CORRECTIONS, OPTIMIZERS, OptimConfig
+from nobubble.optim import CORRECTIONS, OPTIMIZERS
 from nobubble.optim.config import SHARDED_OPTIMIZERS
 
 DTYPES = ("fp32", "bf16")
 CLIP_SCOPES = ("auto", "stage", "global")
 RUNTIMES = ("emulate", "dist")
-GPT2_VOCAB_SIZE = 50257  # --tokenizer gpt2 fixes the vocabulary, whatever --vocab-size says
 # Share of the machine's memory a run may plan to fill; the rest is for the OS, other programs and
 # what the estimate leaves out (the allocator's slack, transient copies while the model is built).
 MEMORY_SHARE = 0.8
@@ -67,7 +70,7 @@ RUNTIME_ONLY = (
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(TrainFields):
     """One training run. Every field is a ``nobubble train`` flag of the same name.
 
     schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion, or
@@ -107,67 +110,20 @@ class TrainConfig:
         parameter (needed by asynchronous schedules over several stages).
     """
 
-    schedule: str = "paci"
-    optimizer: str = "adamw"
-    correction: str = "none"
-    ef_lambda: float = 1.0
-    delay_lr_steps: int = 0
-    sync_warmup: int = 0
-    stages: int = 2
-    virtual_stages: int | None = None
-    microbatches: int = 4
-    accum: int | None = None
-    micro_batch_size: int = 8
-    steps: int = 300
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_frac: float = 0.1
-    min_lr_ratio: float = 0.1
-    momentum: float = 0.95
-    clip: float = 1.0
-    clip_scope: str = "auto"
-    seed: int = 0
-    data: str = "shakespeare"
-    tokenizer: str = "bpe"
-    vocab_size: int = 4096
-    seq_len: int = 128
-    model: str = "tiny"
-    dtype: str = "fp32"
-    paci_recompute: bool = False
-    eval_every: int = 50
-    eval_batches: int = 8
-    checkpoint_every: int = 0
-    sample_tokens: int = 200
-    runtime: str = "emulate"
-    dist_timeout: float = 50.0
-    out: str | None = None
-    resume: str | None = None
-    progress: bool = True
-    threads: int = 0
-    stop_at: int = 0
-    master_port: int = 0
-    device: str = "auto"
-    backend: str = "auto"
-    strict_p2p: bool = False
-    untie_embeddings: bool = False
-    data_parallel: int = 1
-    bucket_mb: float = 25.0
-    shard: str = "none"
-
     def __post_init__(self) -> None:
-        _choice("schedule", self.schedule, SCHEDULE_NAMES)
-        _choice("runtime", self.runtime, RUNTIMES)
+        check_choice("schedule", self.schedule, SCHEDULE_NAMES)
+        check_choice("runtime", self.runtime, RUNTIMES)
         check_trainable(self.schedule, runtime=self.runtime)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("correction", self.correction, CORRECTIONS)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("clip-scope", self.clip_scope, CLIP_SCOPES)
-        _choice("device", self.device, DEVICES)
-        _choice("backend", self.backend, BACKENDS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("correction", self.correction, CORRECTIONS)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("clip-scope", self.clip_scope, CLIP_SCOPES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("backend", self.backend, BACKENDS)
         if not self.is_hf:
             if self.model.startswith("hf"):
                 raise ValueError(f"--model {self.model!r}: write hf:PATH (a folder or config.json)")
-            _choice("model", self.model, tuple(MODEL_PRESETS))
+            check_choice("model", self.model, tuple(MODEL_PRESETS))
         for name in (
             "stages",
             "microbatches",
@@ -178,7 +134,7 @@ class TrainConfig:
             "seq_len",
             "data_parallel",
         ):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in (
             "sync_warmup",
             "delay_lr_steps",
@@ -188,13 +144,13 @@ class TrainConfig:
             "threads",
             "stop_at",
         ):
-            _positive(name, getattr(self, name), minimum=0)
+            check_positive(name, getattr(self, name), minimum=0)
         if self.accum is not None:
-            _positive("accum", self.accum)
+            check_positive("accum", self.accum)
         resolve_virtual_stages(self.schedule, self.virtual_stages)  # a v that does not apply
         for name in ("clip", "ef_lambda", "dist_timeout"):
-            _finite_nonnegative(name, getattr(self, name))
-        _check_port(self.master_port)
+            check_finite_nonnegative(name, getattr(self, name))
+        check_port(self.master_port)
         self._check_combinations()
         self.optim_config()  # validates lr, weight decay, warmup, ...
         self.data_config()
@@ -272,7 +228,7 @@ class TrainConfig:
             )
         if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"--bucket-mb {self.bucket_mb!r}: use a bucket size in MB > 0")
-        _choice("shard", self.shard, SHARDS)
+        check_choice("shard", self.shard, SHARDS)
         if self.shard == "fsdp" and self.data_parallel < 2:
             raise ValueError(
                 "--shard fsdp shards each stage across its data-parallel replicas: give it "
@@ -331,15 +287,6 @@ class TrainConfig:
             + (", or ".join(fixes) or "a smaller --model (the weights and state alone do not fit)")
         )
 
-    @property
-    def is_hf(self) -> bool:
-        return self.model.startswith("hf:")
-
-    def hf_config(self) -> dict[str, Any]:
-        from nobubble.model.hf import read_config
-
-        return read_config(self.model.removeprefix("hf:"))
-
     def _in_host_memory(self) -> bool:
         """The emulator and CPU ranks keep everything in this machine's memory. CUDA ranks are
         not checked: asking a GPU for its memory would initialize CUDA in this process."""
@@ -350,12 +297,6 @@ class TrainConfig:
         import torch
 
         return not torch.cuda.is_available()
-
-    # ----- derived ---------------------------------------------------------------------------
-    @property
-    def model_vocab_size(self) -> int:
-        """The model's vocabulary as far as the flags tell (a trained BPE may hold fewer)."""
-        return GPT2_VOCAB_SIZE if self.tokenizer == "gpt2" else self.vocab_size
 
     def stage_loads(self, seq_len: int | None = None) -> list[StageLoad]:
         """Layers, parameters, micro-batches in flight and weight versions of each stage."""
@@ -384,81 +325,6 @@ class TrainConfig:
             return sum(per_stage) + PROCESS_BYTES + FP32 * model.num_params()
         machine = self.stages_per_machine
         return machine_bytes(per_stage, machine) + PROCESS_BYTES * machine
-
-    @property
-    def stages_per_machine(self) -> int:
-        """All stages share the emulator's process and the launcher's machine; under torchrun
-        LOCAL_WORLD_SIZE ranks do."""
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        if self.runtime == "dist" and local.isdigit():
-            return max(1, min(int(local), self.stages))
-        return self.stages
-
-    @property
-    def model_stages(self) -> int:
-        """The stages the model is cut into: v·P, or P with one stage per rank."""
-        return self.stages * resolve_virtual_stages(self.schedule, self.virtual_stages)
-
-    @property
-    def num_microbatches(self) -> int:
-        """M per optimizer step as the schedule reads it (``a`` for pipedream and paci)."""
-        return resolve_microbatches(self.schedule, self.microbatches, self.accum)
-
-    @property
-    def delay_lr_span(self) -> int | None:
-        """The steps over which --correction delay-lr's damping fades (0: a quarter of --steps)."""
-        if self.correction != "delay-lr":
-            return None
-        return self.delay_lr_steps or max(1, self.steps // 4)
-
-    @property
-    def sync_warmup_steps(self) -> int:
-        if self.correction != "sync-warmup":
-            return 0
-        return self.sync_warmup or max(1, self.steps // 10)
-
-    @property
-    def global_clip(self) -> bool:
-        if self.clip == 0:
-            return False
-        if self.clip_scope == "auto":
-            return SCHEDULES[self.schedule].synchronous
-        return self.clip_scope == "global"
-
-    @property
-    def global_micro_batch_size(self) -> int:
-        """Sequences per micro-batch over all replicas: what a run at D=1 would read."""
-        return self.micro_batch_size * self.data_parallel
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.num_microbatches * self.global_micro_batch_size * self.seq_len
-
-    def optim_config(self) -> OptimConfig:
-        return OptimConfig(
-            name=self.optimizer,
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            momentum=self.momentum,
-            warmup_frac=self.warmup_frac,
-            min_lr_ratio=self.min_lr_ratio,
-            clip_norm=self.clip if self.clip > 0 else None,
-        )
-
-    def data_config(self) -> DataConfig:
-        data = DataConfig(
-            source=self.data,
-            tokenizer=self.tokenizer,
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-            seed=self.seed,
-        )
-        if data.source != "shakespeare" and not Path(data.source).exists():
-            raise ValueError(
-                f"--data {data.source!r} does not exist: give a text file, a "
-                "folder of .txt files, .bin shards, or 'shakespeare'"
-            )
-        return data
 
     def fingerprint(self) -> dict[str, Any]:
         """The fields that fix the numbers (everything but where and how it runs). The
@@ -498,14 +364,6 @@ class TrainConfig:
         return data
 
 
-def _check_port(port: object) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(
-            f"--master-port {port!r} is not a TCP port: use 1..65535, or 0 to let nobubble "
-            "pick a free one"
-        )
-
-
 def _largest(fits: Callable[[int], bool], upper: int) -> int:
     """Largest v in 1..upper with fits(v), by bisection (fits holds up to some v, then not);
     0 if none does."""
@@ -521,24 +379,3 @@ def _largest(fits: Callable[[int], bool], upper: int) -> int:
 
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
-
-
-def _choice(flag: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"--{flag} {value!r} is not known; valid values: {', '.join(allowed)}")
-
-
-def _positive(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        flag = name.replace("_", "-")
-        raise ValueError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
-
-
-def _finite_nonnegative(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value >= 0)
-    ):
-        flag = name.replace("_", "-")
-        raise ValueError(f"--{flag} must be a finite number >= 0, got {value!r}")
