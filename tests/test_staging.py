@@ -16,7 +16,7 @@ import torch
 
 from _api_reference import run_pipeline
 from nobubble.runtime.distributed.staging import HOST, inbound, outbound
-from nobubble.runtime.distributed.transport import Handle
+from nobubble.runtime.distributed.waits import Handle
 from test_api_dist import launch, problems
 
 META = torch.device("meta")

@@ -9,11 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.app.train.trainer import (
-    RunResult,
-    run_summary,
-    sample_from_state,
-)
+from nobubble.app.train.sampling import sample_from_state
+from nobubble.app.train.trainer import RunResult, run_summary
 from nobubble.core.ir import STEP, Action
 from nobubble.core.sim.metrics import measured_utilization
 from nobubble.core.viz import save_gantt, save_trace, trace_events

@@ -35,7 +35,8 @@ from nobubble.app.train.trainer import (
     RunResult,
 )
 from nobubble.core.ir import STEP
-from nobubble.runtime.distributed.transport import StrictTransport, shutdown
+from nobubble.runtime.distributed.transport import StrictTransport
+from nobubble.runtime.distributed.waits import shutdown
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from nobubble.core.ir import Schedule
 from nobubble.core.schedules import build_schedule
 from nobubble.core.validate import validate
 from nobubble.engine import Interpreter
-from nobubble.runtime.distributed.transport import DistTransport, shutdown
+from nobubble.runtime.distributed.transport import DistTransport
+from nobubble.runtime.distributed.waits import shutdown
 
 TOKEN = (1,)  # the payload each transfer carries: one float
 

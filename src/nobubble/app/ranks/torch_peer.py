@@ -72,7 +72,7 @@ from nobubble.optim import (
     sum_over_stages,
 )
 from nobubble.runtime.distributed.join import release_others
-from nobubble.runtime.distributed.transport import shutdown
+from nobubble.runtime.distributed.waits import shutdown
 
 # torch schedule -> (its class, the nobubble schedule whose placement, split and checks it takes).
 # The zero-bubble ones split each backward into input and weight gradients (torch's

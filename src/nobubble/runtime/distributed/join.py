@@ -16,9 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from nobubble.core.placement import Placement, one_per_rank
-from nobubble.runtime.distributed.transport import (
-    shutdown,
-)
+from nobubble.runtime.distributed.waits import shutdown
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,7 @@ from nobubble.runtime.distributed.join import (
     staged,
 )
 from nobubble.runtime.distributed.staging import Arrival, HostStaged, stage_ops
-from nobubble.runtime.distributed.transport import (
-    EVAL_TAG_BASE,
-    Handle,
-)
+from nobubble.runtime.distributed.transport import EVAL_TAG_BASE
 from nobubble.runtime.distributed.tree_transport import (
     MAX_LEAVES,
     TRANSPORTS,
@@ -52,6 +49,7 @@ from nobubble.runtime.distributed.tree_transport import (
     TreeTransport,
     spec_of,
 )
+from nobubble.runtime.distributed.waits import Handle
 
 
 class RankRunner:

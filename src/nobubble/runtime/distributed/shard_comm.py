@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from nobubble.runtime.distributed.transport import Handle
+from nobubble.runtime.distributed.waits import Handle
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.runtime.distributed.transport import Handle
+from nobubble.runtime.distributed.waits import Handle
 
 HOST = torch.device("cpu")
 Arrival = tuple[torch.Tensor, torch.Tensor]  # (the consumer's tensor, the host buffer it fills)

@@ -17,11 +17,8 @@ from nobubble.core.placement import Placement
 from nobubble.engine.tree import pack_grads, tensor_leaves, unpack_grads
 from nobubble.engine.worker import Tie, TieMeeting, tied_square
 from nobubble.runtime.distributed.staging import HostStaged
-from nobubble.runtime.distributed.transport import (
-    DistTransport,
-    Handle,
-    StrictTransport,
-)
+from nobubble.runtime.distributed.transport import DistTransport, StrictTransport
+from nobubble.runtime.distributed.waits import Handle
 
 MAX_LEAVES = 1024  # evaluation tags: one per boundary leaf of a micro-batch
 
