@@ -286,7 +286,7 @@ def test_bf16_autocast_runs_every_schedule(name: str, accum: int | None) -> None
 
 
 def test_gradient_accumulation_adopts_fresh_tensors_and_copies_shared_ones() -> None:
-    from nobubble.engine.worker import accumulate_grads
+    from nobubble.engine.saved import accumulate_grads
 
     params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(6)]
     grad_out, grad_in = torch.ones(2, 3), torch.full((2, 3), 5.0)

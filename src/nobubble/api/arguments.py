@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nobubble.engine.worker import Tie
+from nobubble.engine.ties import Tie
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

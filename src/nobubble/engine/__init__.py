@@ -12,10 +12,11 @@ from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import Ledger
+from nobubble.engine.devices import misplaced
 from nobubble.engine.interpreter import Interpreter
 from nobubble.engine.transport import InProcessTransport, Transport
 from nobubble.engine.versions import WeightVersions, alias
-from nobubble.engine.worker import Batch, LossFn, StageWorker, misplaced
+from nobubble.engine.worker import Batch, LossFn, StageWorker
 from nobubble.optim import DelayCorrection, StageOptimizer
 
 __all__ = [

@@ -14,8 +14,8 @@ from torch.utils import _pytree as pytree
 from nobubble.core.comm_ops import GATHER, Batch
 from nobubble.core.ir import Action, F
 from nobubble.core.placement import Placement
+from nobubble.engine.ties import Tie, TieMeeting, tied_square
 from nobubble.engine.tree import pack_grads, tensor_leaves, unpack_grads
-from nobubble.engine.worker import Tie, TieMeeting, tied_square
 from nobubble.runtime.distributed.staging import HostStaged
 from nobubble.runtime.distributed.transport import DistTransport, StrictTransport
 from nobubble.runtime.distributed.waits import Handle
