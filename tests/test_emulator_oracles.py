@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import nn
 
 from _reference import (
     BATCH_SIZE,
@@ -34,13 +35,52 @@ from nobubble.core.ir import Schedule
 from nobubble.core.ledger import Ledger, build_ledger
 from nobubble.core.schedules import build_schedule
 from nobubble.core.validate import validate
-from nobubble.engine import InProcessTransport, Interpreter, StageWorker, build_workers
+from nobubble.engine import InProcessTransport, Interpreter, StageWorker
+from nobubble.engine.worker import Batch, LossFn
 from nobubble.model import build_model, lm_loss, split_model
-from nobubble.optim import DelayCorrection, ErrorFeedback, NoCorrection, build_optimizer, lr_at
+from nobubble.optim import (
+    DelayCorrection,
+    ErrorFeedback,
+    NoCorrection,
+    StageOptimizer,
+    build_optimizer,
+    lr_at,
+)
 from nobubble.runtime.emulator import Emulator
 
 RTOL = 1e-6
 M, N = 4, 6  # micro-batches per step and steps of the whole-model comparisons
+
+
+def build_workers(
+    schedule: Schedule,
+    ledger: Ledger,
+    stages: list[nn.Module],
+    optimizers: list[StageOptimizer],
+    corrections: list[DelayCorrection],
+    batch_fn: Callable[[int], Batch],
+    lr_fn: Callable[[int], float],
+    clip_norm: float | None,
+    autocast_dtype: torch.dtype | None = None,
+    recompute: bool = False,
+    loss_fn: LossFn | None = None,
+) -> list[StageWorker]:
+    return [
+        StageWorker(
+            module,
+            schedule,
+            ledger.stages[s],
+            optimizers[s],
+            corrections[s],
+            batch_fn,
+            lr_fn,
+            clip_norm,
+            autocast_dtype,
+            recompute,
+            loss_fn=loss_fn,
+        )
+        for s, module in enumerate(stages)
+    ]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -234,3 +234,16 @@ def test_layer0_runs_without_torch():
 def test_every_layer_has_modules(layer):
     """A layer of the map that no module is in is a stale map."""
     assert any(layer_of(m) == layer for m in modules(SRC)), layer
+
+
+MAX_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    """A module that grows past this is split by responsibility (docs/architecture.md)."""
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these modules by responsibility: {long}"

@@ -10,9 +10,10 @@ come out differently. It hashes two things:
 - the training code's version (``code_version``): torch's version, pytorch-optimizer's (the
   optim extra's library optimizers; "absent" when it is not installed), and the source of every
   nobubble module except NOT_TRAINING_CODE, the parts that only plan, read, draw or benchmark
-  runs. Each file is hashed as its syntax tree without docstrings, so comments, docstrings and
-  formatting never invalidate a run, and any other edit does. A module added later counts as
-  training code until it is listed.
+  runs. The code is hashed as its syntax trees without docstrings and imports, statement by
+  top-level statement in sorted order, without the names of the files: comments, docstrings,
+  formatting and moves of code between modules never invalidate a run, and any other edit
+  does. A module added later counts as training code until it is listed.
 
 Run folders named before keys carried the hash (``2bw-adamw-s0``) are left alone: no key matches
 them, so they are never reused.
@@ -66,6 +67,16 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
     return tree
 
 
+def _without_imports(tree: ast.Module) -> ast.Module:
+    """The tree without its import statements (where the code lives changes them, not what it
+    does: the code they name is hashed where it is defined)."""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            body[:] = [n for n in body if not isinstance(n, ast.Import | ast.ImportFrom)]
+    return tree
+
+
 def _package_root() -> Path:
     import nobubble
 
@@ -95,9 +106,16 @@ def code_version(root: Path | None = None) -> str:
     except importlib.metadata.PackageNotFoundError:
         library = "absent"
     digest = hashlib.sha256(f"torch {torch.__version__}\npytorch-optimizer {library}\n".encode())
-    for name, path in training_sources(root).items():
-        tree = _without_docstrings(ast.parse(path.read_text(), filename=str(path)))
-        digest.update(f"{name}\n{ast.dump(tree)}\n".encode())
+    # every top-level statement of the training code, without its imports, in sorted order and
+    # without the file it is in: moving code between modules changes no key
+    statements = []
+    for path in training_sources(root).values():
+        tree = _without_imports(
+            _without_docstrings(ast.parse(path.read_text(), filename=str(path)))
+        )
+        statements += [ast.dump(node) for node in tree.body]
+    for statement in sorted(statements):
+        digest.update(f"{statement}\n".encode())
     return digest.hexdigest()
 
 

@@ -23,7 +23,6 @@ from nobubble.core.ledger import Ledger, build_ledger
 from nobubble.core.schedules import SCHEDULES, build_schedule
 from nobubble.core.validate import validate
 from nobubble.data import TokenData, prepare_data
-from nobubble.engine import StageWorker
 from nobubble.model import (
     GPT,
     ModelConfig,
@@ -37,7 +36,6 @@ from nobubble.model import (
 )
 from nobubble.optim import (
     DelayCorrection,
-    build_optimizer,
     lr_at,
     make_correction,
 )
@@ -270,31 +268,4 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate")
         data_parallel=cfg.data_parallel,
         bucket_mb=cfg.bucket_mb,
         shard=cfg.shard,
-    )
-
-
-def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker:
-    cfg = plan.cfg
-    optim_cfg = cfg.optim_config()
-    optimizer = build_optimizer(optim_cfg, list(module.named_parameters()))
-    b = cfg.micro_batch_size
-
-    def batch_fn(m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return data.train_microbatch(m, b)
-
-    def lr_fn(step: int) -> float:
-        return lr_at(step, cfg.steps, optim_cfg)
-
-    return StageWorker(
-        module,
-        plan.schedule,
-        plan.ledger.stages[module.stage],
-        optimizer,
-        stage_correction(cfg),
-        batch_fn,
-        lr_fn,
-        clip_norm=optim_cfg.clip_norm,
-        autocast_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
-        recompute=cfg.paci_recompute,
-        loss_fn=lm_loss,
     )
