@@ -88,8 +88,8 @@ def emulate(values: dict[str, Any], device: Any) -> dict[str, Any]:
     after the first drain point (the warm-up), timed between two synchronisations."""
     import torch
 
-    from nobubble.assemble import load_data, make_model, make_pipeline, make_plan
-    from nobubble.config import TrainConfig
+    from nobubble.app.train.assemble import load_data, make_model, make_pipeline, make_plan
+    from nobubble.app.train.config import TrainConfig
 
     cfg = TrainConfig.from_mapping({**values, "runtime": "emulate"})
     data = load_data(cfg)

@@ -3,8 +3,8 @@ model, its split, its data, its loss and its optimizer.
 
 Written from the semantics of design.md section 2 in plain PyTorch: gradient accumulation on
 the unsplit model, the one-step delayed loop of 2BW, and _reference's per-stage live-weight loop
-over the simulator's global order (PACI). Nothing here imports ``nobubble.exec`` or
-``nobubble.pipeline``; ``run_pipeline`` is the code under test, driven the way a user drives it.
+over the simulator's global order (PACI). Nothing here imports ``nobubble.engine`` or
+``nobubble.api.pipeline``; ``run_pipeline`` is the code under test, driven the way a user drives it.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def numbers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def load_parts(run_dir: Path, stages: int) -> list[dict[str, Any]]:
     """Every stage's checkpoint part (weights from its safetensors shard, the rest from its
     .pt), checked against the manifest."""
-    from nobubble.checkpoint import load_part, read_manifest
+    from nobubble.app.train.checkpoint import load_part, read_manifest
 
     manifest = read_manifest(run_dir)
     return [load_part(run_dir, manifest, s) for s in range(stages)]

@@ -3,7 +3,7 @@
 The references are plain PyTorch written here from the semantics (design.md section 2): gradient
 accumulation on the unsplit model, the one-step delayed loop of 2BW, and a per-stage loop over the
 simulator's global order that updates live weights in place (PACI). None of them imports
-``nobubble.exec`` or ``nobubble.pipeline``.
+``nobubble.engine`` or ``nobubble.api.pipeline``.
 """
 
 from __future__ import annotations

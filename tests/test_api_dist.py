@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _api_reference import Problem, run_pipeline
-from nobubble.distributed.launch import free_port
+from nobubble.app.ranks.launch import free_port
 from test_api import batch, loss_fn
 
 TESTS = Path(__file__).resolve().parent

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-import nobubble.assemble
-import nobubble.config
+import nobubble.app.train.assemble
+import nobubble.app.train.config
+from nobubble.app.train.config import TrainConfig
 from nobubble.cli import main
-from nobubble.config import TrainConfig
 from nobubble.data import fetch_shakespeare
 
 GiB = 2**30
@@ -19,7 +19,7 @@ GiB = 2**30
 @pytest.fixture
 def laptop(monkeypatch):
     """A 24 GiB machine, whatever this one holds, so refusals do not depend on the host."""
-    monkeypatch.setattr(nobubble.config, "physical_memory_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr(nobubble.app.train.config, "physical_memory_bytes", lambda: 24 * GiB)
 
 
 def train(capsys, *flags: str) -> tuple[int, str]:
@@ -33,7 +33,7 @@ def test_a_sequence_that_cannot_fit_in_memory_is_refused_at_once(
     def no_data(*args, **kwargs):
         raise AssertionError("the data was prepared: the refusal came after work started")
 
-    monkeypatch.setattr(nobubble.assemble, "prepare_data", no_data)
+    monkeypatch.setattr(nobubble.app.train.assemble, "prepare_data", no_data)
     out = tmp_path / "never"
     code, err = train(capsys, "--seq-len", "100000", "--steps", "1", "--out", str(out))
     assert code == 2
@@ -48,7 +48,7 @@ def test_a_sequence_that_cannot_fit_in_memory_is_refused_at_once(
 
 
 def test_the_configs_of_the_tests_and_benchmarks_fit_a_small_machine(monkeypatch):
-    monkeypatch.setattr(nobubble.config, "physical_memory_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(nobubble.app.train.config, "physical_memory_bytes", lambda: 8 * GiB)
     TrainConfig()
     TrainConfig(model="medium", vocab_size=2048, micro_batch_size=4, seq_len=128)
     TrainConfig(model="small", stages=2, microbatches=4, micro_batch_size=8, seq_len=128)
@@ -104,7 +104,7 @@ def test_a_device_or_backend_this_machine_lacks_is_refused_before_any_process_st
 
 
 def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
-    from nobubble.distributed.runtime import resolve_device
+    from nobubble.app.ranks.runtime import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -118,7 +118,7 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
 
 def test_gloo_lets_ranks_share_the_gpus(monkeypatch):
     """The one-GPU debugging mode: any number of ranks, rank r on GPU r mod the GPUs."""
-    from nobubble.distributed.runtime import resolve_device
+    from nobubble.app.ranks.runtime import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -144,7 +144,7 @@ def test_a_bad_pipeline_backend_is_refused_before_any_work(backend, runtime, mes
 def test_nccl_for_a_stage_on_the_cpu_is_refused_before_the_group_starts(monkeypatch):
     import torch.distributed as dist
 
-    from nobubble.distributed.api import join
+    from nobubble.runtime.distributed.join import join
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nobubble.bench_memory import MIB, MemoryBench, rank_rows
+from nobubble.app.bench.memory import MIB, MemoryBench, rank_rows
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("cfg", [MemoryBench(), MemoryBench(hidden=64, intermediate=96, layers=3)])
 def test_the_printed_parameter_count_is_the_llamas(cfg, tmp_path):
-    from nobubble.bench_memory import write_model
+    from nobubble.app.bench.memory import write_model
 
     config = transformers.AutoConfig.from_pretrained(write_model(cfg, tmp_path / "m"))
     with torch.device("meta"):

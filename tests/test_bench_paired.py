@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from nobubble.bench_runtime import RuntimeBench, paired_ratios, summarize
+from nobubble.app.bench.runtime import RuntimeBench, paired_ratios, summarize
 
 
 def test_paired_ratios_of_equal_rounds_have_an_interval_of_that_ratio():
@@ -77,7 +77,7 @@ def test_summary_pairs_a_variant_with_its_torch_twin_round_by_round():
 
 def test_rounds_run_the_variants_in_alternating_order(monkeypatch, tmp_path):
     """Every other round reverses the order, so neither side of a pair always runs first."""
-    import nobubble.bench_runtime as br
+    import nobubble.app.bench.runtime as br
 
     ran: list[str] = []
 

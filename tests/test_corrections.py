@@ -1,6 +1,6 @@
 """The delay corrections of issue 34 (``--correction ef | predict | delay-lr``) on every
 asynchronous schedule, against loops written out from docs/semantics.md in tests/_reference.py
-(which never touch nobubble.exec): exactness at delay 0, the reference numbers, checkpoints and
+(which never touch nobubble.engine): exactness at delay 0, the reference numbers, checkpoints and
 resume, memory, and the refusals."""
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def _pipe_kw(**options: object) -> Pipeline:
 
 
 def test_cli_refuses_delay_lr_steps_without_its_correction() -> None:
-    from nobubble.config import TrainConfig
+    from nobubble.app.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="--delay-lr-steps 10 applies to --correction delay-lr"):
         TrainConfig(schedule="paci", correction="ef", delay_lr_steps=10)
@@ -223,7 +223,7 @@ def test_cli_refuses_delay_lr_steps_without_its_correction() -> None:
 
 
 def test_prediction_with_a_sharded_stage_is_refused() -> None:
-    from nobubble.config import TrainConfig
+    from nobubble.app.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="shard='fsdp'"):
         _pipe_kw(correction="predict", shard="fsdp", data_parallel=2)

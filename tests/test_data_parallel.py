@@ -135,7 +135,7 @@ def test_the_replicas_really_differ_before_the_all_reduce():
 
 
 def test_a_global_batch_is_cut_into_each_replicas_slice_of_every_micro_batch():
-    from nobubble.pipeline import _shard_tree
+    from nobubble.api.steps import shard_tree as _shard_tree
 
     x = torch.arange(16).reshape(16, 1)  # M=2 micro-batches of 8 rows, D=4 replicas of 2
     parts = [_shard_tree({"x": x}, 2, 4, r)["x"].flatten().tolist() for r in range(4)]
@@ -246,11 +246,11 @@ def _linear_worker(
     model: torch.nn.Module, micro: int, schedule_name: str = "1f1b", stages: int = 1
 ):
     """The last stage of a ``stages``-stage ``schedule_name`` pipeline, trained with SGD."""
+    from nobubble.api.arguments import TorchOptimizer
     from nobubble.core.ledger import build_ledger
     from nobubble.core.schedules import build_schedule
-    from nobubble.exec import StageWorker
+    from nobubble.engine import StageWorker
     from nobubble.optim import NoCorrection
-    from nobubble.pipeline import TorchOptimizer
 
     schedule = build_schedule(schedule_name, stages, micro, 1)
     gen = torch.Generator().manual_seed(0)
@@ -276,7 +276,7 @@ def test_the_last_backward_launches_each_bucket_while_autograd_still_runs(micro)
     without hooks (one replica: the mean is the sum)."""
     import copy
 
-    from nobubble.distributed.data_parallel import GradReducer
+    from nobubble.runtime.distributed.data_parallel import GradReducer
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(8, 8) for _ in range(4)]
@@ -316,7 +316,7 @@ def test_the_last_backward_launches_each_bucket_while_autograd_still_runs(micro)
 
 def test_without_the_eager_binding_the_plan_launches_every_bucket_at_once():
     """The strict stream's way: the backward launches nothing, ``launch_rest`` all of it."""
-    from nobubble.distributed.data_parallel import GradReducer
+    from nobubble.runtime.distributed.data_parallel import GradReducer
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     worker = _linear_worker(model, 1)
@@ -337,7 +337,7 @@ def test_buckets_are_cut_from_the_last_layer_and_the_first_launched_is_small(buc
     (or the bucket size if smaller), the others at most the bucket size."""
     from types import SimpleNamespace
 
-    from nobubble.distributed.data_parallel import GradReducer
+    from nobubble.runtime.distributed.data_parallel import GradReducer
 
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])  # 257 KB each
     named = list(model.named_parameters())
@@ -358,7 +358,7 @@ def test_a_split_last_w_with_input_gradient_launches_every_bucket_when_it_return
     those of the fused backward's accumulation (one replica: the mean is the sum)."""
     import copy
 
-    from nobubble.distributed.data_parallel import GradReducer
+    from nobubble.runtime.distributed.data_parallel import GradReducer
 
     micro = 2
     torch.manual_seed(0)

@@ -8,9 +8,7 @@ import time
 
 import pytest
 
-from nobubble.core.schedules import DIST_TRAINABLE, SCHEDULES, build_schedule
-from nobubble.core.sim import CostModel, simulate
-from nobubble.demo import (
+from nobubble.app.demo import (
     MICROBATCHES,
     STAGES,
     best_synchronous,
@@ -20,6 +18,8 @@ from nobubble.demo import (
     run_demo,
     segment_figures,
 )
+from nobubble.core.schedules import DIST_TRAINABLE, SCHEDULES, build_schedule
+from nobubble.core.sim import CostModel, simulate
 
 
 def test_the_best_synchronous_peer_has_a_smaller_bubble_than_1f1b_closed_form():

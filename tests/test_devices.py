@@ -10,10 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nobubble.assemble import load_data, make_plan, make_stages, make_worker
-from nobubble.config import TrainConfig
-from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker, misplaced
-from nobubble.exec import worker as worker_module
+from nobubble.app.train.assemble import Plan, load_data, make_plan, make_stages, stage_correction
+from nobubble.app.train.config import TrainConfig
+from nobubble.data import TokenData
+from nobubble.engine import InProcessTransport, Interpreter, StageWorker, misplaced
+from nobubble.engine import worker as worker_module
+from nobubble.model import StageModule, lm_loss
+from nobubble.optim import build_optimizer, lr_at
+from nobubble.runtime.emulator import Emulator
 
 META = torch.device("meta")
 
@@ -39,6 +43,35 @@ def setup(tmp_path_factory):
     )
     data = load_data(cfg)
     return cfg, data, make_plan(cfg, data.vocab_size)
+
+
+def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker:
+    """A stage worker of ``plan`` on its own, fed from ``data`` (the package builds workers only
+    through ``nobubble.Pipeline``; a bare worker lets a test put it on the meta device)."""
+    cfg = plan.cfg
+    optim_cfg = cfg.optim_config()
+    optimizer = build_optimizer(optim_cfg, list(module.named_parameters()))
+    b = cfg.micro_batch_size
+
+    def batch_fn(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return data.train_microbatch(m, b)
+
+    def lr_fn(step: int) -> float:
+        return lr_at(step, cfg.steps, optim_cfg)
+
+    return StageWorker(
+        module,
+        plan.schedule,
+        plan.ledger.stages[module.stage],
+        optimizer,
+        stage_correction(cfg),
+        batch_fn,
+        lr_fn,
+        clip_norm=optim_cfg.clip_norm,
+        autocast_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
+        recompute=cfg.paci_recompute,
+        loss_fn=lm_loss,
+    )
 
 
 def workers_on(setup, device: torch.device) -> list[StageWorker]:

@@ -34,9 +34,9 @@ from _dist_helpers import (
     run_train,
     small_flags,
 )
+from nobubble.app.train.metrics import read_metrics
 from nobubble.cli import main
 from nobubble.data import fetch_shakespeare
-from nobubble.metrics import read_metrics
 from test_dist_runtime import assert_stopped, hit_rank_after_first_checkpoint
 
 STAGES, REPLICAS, STEPS, EVERY = 2, 2, 10, 5
@@ -329,8 +329,8 @@ def test_a_failure_at_a_meeting_names_every_rank_it_waited_for_by_its_coordinate
     while the others meet is named as one killed between two transfers is."""
     from types import SimpleNamespace
 
-    from nobubble.config import TrainConfig
-    from nobubble.distributed import runtime
+    from nobubble.app.ranks import runtime
+    from nobubble.app.train.config import TrainConfig
 
     def leave(code: int) -> None:
         raise SystemExit(code)
@@ -353,9 +353,10 @@ def test_a_send_refused_by_a_dead_peer_names_that_peer_by_its_coordinates(monkey
     rank it waited for."""
     from types import SimpleNamespace
 
-    from nobubble.config import TrainConfig
+    from nobubble.app.ranks import runtime
+    from nobubble.app.train.config import TrainConfig
     from nobubble.core.ir import Action, F
-    from nobubble.distributed import runtime, transport
+    from nobubble.runtime.distributed import transport
 
     def refuse(ops: list) -> None:
         raise RuntimeError("Connection closed by peer")

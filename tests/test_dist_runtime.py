@@ -37,9 +37,9 @@ from _dist_helpers import (
     small_flags,
     train_command,
 )
+from nobubble.app.train.metrics import read_metrics
 from nobubble.cli import main
 from nobubble.data import fetch_shakespeare
-from nobubble.metrics import read_metrics
 
 STEPS, MICROBATCHES = 6, 2  # the defaults of small_flags
 DIST_TIMEOUT = 20.0
@@ -464,9 +464,9 @@ def assert_refused(done, message: str, out: Path) -> None:
 # ----- 5. teardown --------------------------------------------------------------------------------
 RANK_SCRIPT = """
 import gc, json, sys, weakref
-from nobubble.config import TrainConfig
-from nobubble.distributed import transport
-from nobubble.distributed.runtime import run_rank
+from nobubble.app.train.config import TrainConfig
+from nobubble.runtime.distributed import transport
+from nobubble.app.ranks.runtime import run_rank
 
 run_rank(TrainConfig(**json.loads(sys.argv[1])))
 alive = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, transport.DistTransport)]

@@ -1,8 +1,8 @@
 """Oracle tests of the single-process emulator against independent reference loops.
 
-Each test runs a schedule through nobubble.exec (workers, weight versions, interpreter,
+Each test runs a schedule through nobubble.engine (workers, weight versions, interpreter,
 emulator) and compares its per-micro-batch losses and final weights with a loop written in
-tests/_reference.py from the semantics of design.md section 2, which never touches nobubble.exec:
+tests/_reference.py from the semantics of design.md section 2, which never touches nobubble.engine:
 - sync schedules (gpipe, 1f1b) == plain gradient accumulation on the unsplit model;
 - 2bw == the delayed-gradient loop x[j+1] = x[j] - u(g_j(x[j-1])) (with written-out EF);
 - pipedream == per-stage deep-copied weight versions; paci == live weights behind restored
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import nn
 
 from _reference import (
     BATCH_SIZE,
@@ -34,12 +35,52 @@ from nobubble.core.ir import Schedule
 from nobubble.core.ledger import Ledger, build_ledger
 from nobubble.core.schedules import build_schedule
 from nobubble.core.validate import validate
-from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker, build_workers
+from nobubble.engine import InProcessTransport, Interpreter, StageWorker
+from nobubble.engine.worker import Batch, LossFn
 from nobubble.model import build_model, lm_loss, split_model
-from nobubble.optim import DelayCorrection, ErrorFeedback, NoCorrection, build_optimizer, lr_at
+from nobubble.optim import (
+    DelayCorrection,
+    ErrorFeedback,
+    NoCorrection,
+    StageOptimizer,
+    build_optimizer,
+    lr_at,
+)
+from nobubble.runtime.emulator import Emulator
 
 RTOL = 1e-6
 M, N = 4, 6  # micro-batches per step and steps of the whole-model comparisons
+
+
+def build_workers(
+    schedule: Schedule,
+    ledger: Ledger,
+    stages: list[nn.Module],
+    optimizers: list[StageOptimizer],
+    corrections: list[DelayCorrection],
+    batch_fn: Callable[[int], Batch],
+    lr_fn: Callable[[int], float],
+    clip_norm: float | None,
+    autocast_dtype: torch.dtype | None = None,
+    recompute: bool = False,
+    loss_fn: LossFn | None = None,
+) -> list[StageWorker]:
+    return [
+        StageWorker(
+            module,
+            schedule,
+            ledger.stages[s],
+            optimizers[s],
+            corrections[s],
+            batch_fn,
+            lr_fn,
+            clip_norm,
+            autocast_dtype,
+            recompute,
+            loss_fn=loss_fn,
+        )
+        for s, module in enumerate(stages)
+    ]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -285,7 +326,7 @@ def test_bf16_autocast_runs_every_schedule(name: str, accum: int | None) -> None
 
 
 def test_gradient_accumulation_adopts_fresh_tensors_and_copies_shared_ones() -> None:
-    from nobubble.exec.worker import accumulate_grads
+    from nobubble.engine.saved import accumulate_grads
 
     params = [torch.nn.Parameter(torch.zeros(2, 3)) for _ in range(6)]
     grad_out, grad_in = torch.ones(2, 3), torch.full((2, 3), 5.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nobubble.experiments import (
+from nobubble.app.experiments import (
     analysis,
     grids,
     keys,
@@ -20,7 +20,7 @@ from nobubble.experiments import (
     stats,
     targets,
 )
-from nobubble.experiments.runner import RunOutcome, RunSpec
+from nobubble.app.experiments.runner import RunOutcome, RunSpec
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -269,7 +269,7 @@ def test_depth_pairs_every_pipedream_depth_with_the_one_baseline_by_seed(tmp_pat
                 )
                 for s, v in sync.items()
             ]
-    from nobubble.experiments import depth_analysis
+    from nobubble.app.experiments import depth_analysis
 
     summary = depth_analysis.analyze_depth({o.spec.name: o for o in runs}, tmp_path, ("adamw",))
     assert summary["design"] == depth_analysis.DESIGN
@@ -442,23 +442,29 @@ def test_code_version_ignores_comments_and_docstrings_not_code(tmp_path):
     assert keys.code_version(tmp_path) == version
     module.write_text('"""Doc."""\nLR = 2\n')
     assert keys.code_version(tmp_path) != version
-    (tmp_path / "experiments").mkdir()
-    (tmp_path / "experiments" / "report.py").write_text("X = 1\n")  # not training code
+    (tmp_path / "app" / "experiments").mkdir(parents=True)
+    (tmp_path / "app" / "experiments" / "report.py").write_text("X = 1\n")  # not training code
     module.write_text('"""Doc."""\nLR = 1\n')
     assert keys.code_version(tmp_path) == version
 
 
 def test_training_sources_cover_the_numerics_and_skip_the_readers():
     names = set(keys.training_sources())
-    for name in ("model/gpt.py", "optim/build.py", "exec/worker.py", "core/schedules/paci.py"):
+    for name in ("model/gpt.py", "optim/build.py", "engine/worker.py", "core/schedules/paci.py"):
         assert name in names
-    for name in ("core/ir.py", "core/deps.py", "core/ledger.py", "config.py", "train.py"):
+    for name in (
+        "core/ir.py",
+        "core/deps.py",
+        "core/ledger.py",
+        "app/train/config.py",
+        "app/train/trainer.py",
+    ):
         assert name in names
-    assert not any(n.startswith(("experiments/", "core/viz/")) for n in names)
+    assert not any(n.startswith(("app/experiments/", "core/viz/")) for n in names)
 
 
 def _resolved(spec: RunSpec, profile: grids.Profile):
-    from nobubble.config import TrainConfig
+    from nobubble.app.train.config import TrainConfig
 
     return TrainConfig.from_mapping({**profile.base, **spec.overrides})
 

@@ -19,10 +19,10 @@ import time
 
 import pytest
 
+from nobubble.app.experiments import grids, runner
 from nobubble.cli import main
 from nobubble.core.errors import NobubbleError
 from nobubble.data import fetch_shakespeare
-from nobubble.experiments import grids, runner
 
 pytestmark = pytest.mark.slow
 
@@ -246,7 +246,7 @@ def test_a_failed_run_names_its_status_and_the_end_of_its_log(tmp_path):
 GRID_SCRIPT = """
 import sys
 from pathlib import Path
-from nobubble.experiments import grids, runner
+from nobubble.app.experiments import grids, runner
 spec = runner.RunSpec("endless", {"steps": 100_000, "eval_every": 50_000})
 runner.run_grid([spec], grids.QUICK.base, Path(sys.argv[1]), progress=False)
 """

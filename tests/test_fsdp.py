@@ -153,9 +153,9 @@ def local_layout(pipe: nobubble.Pipeline) -> dict:
 def muon_step_check(pipe: nobubble.Pipeline) -> float:
     """Three ``ShardedMuon`` steps against ``torch.optim.Muon`` on unsharded copies, the same
     gradients on both: the largest difference of the gathered weights (0 when bitwise)."""
-    from nobubble.distributed.fsdp import _like, shard_stage
-    from nobubble.distributed.shard_comm import Rows
-    from nobubble.distributed.sharded_muon import ShardedMuon
+    from nobubble.runtime.distributed.fsdp import _like, shard_stage
+    from nobubble.runtime.distributed.shard_comm import Rows
+    from nobubble.runtime.distributed.sharded_muon import ShardedMuon
 
     torch.manual_seed(1)
     full = nn.Sequential(nn.Linear(5, 7, bias=False), nn.Linear(7, 1, bias=False))
@@ -252,7 +252,7 @@ def test_each_replica_holds_its_rows_of_every_parameter_and_of_its_optimizer_sta
     """FSDP2's Shard(0): replica r holds rows r·c .. min((r+1)·c, n), c = ceil(n / 2), of each
     parameter (DTensors) and of each parameter-shaped optimizer state (AdamW's moments,
     Muon's momentum); a one-row head leaves the second replica empty."""
-    from nobubble.distributed.shard_comm import Rows
+    from nobubble.runtime.distributed.shard_comm import Rows
 
     pipe, _ = emulated(case)
     for stage in range(STAGES):
@@ -299,7 +299,7 @@ def test_sharded_muon_steps_as_torch_muon_on_whole_matrices(ranks):
 def test_newton_schulz_is_torch_muons_iteration():
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from nobubble.distributed.sharded_muon import newton_schulz
+    from nobubble.runtime.distributed.sharded_muon import newton_schulz
 
     gen = torch.Generator().manual_seed(0)
     for shape in [(7, 5), (5, 7), (1, 5)]:
@@ -386,7 +386,7 @@ def test_tied_parameters_with_shard_are_refused_with_the_fix():
 
 
 def test_a_scalar_parameter_is_refused_before_fsdp_touches_the_stage():
-    from nobubble.distributed.fsdp import shard_stage
+    from nobubble.runtime.distributed.fsdp import shard_stage
 
     stage = nn.Linear(3, 3)
     stage.scale = nn.Parameter(torch.tensor(1.0))

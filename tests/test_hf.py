@@ -210,8 +210,8 @@ def test_hf_paths_fail_clearly_offline(tmp_path: Path):
 def test_train_cli_on_a_tied_hf_llama_then_export_reloads_with_equal_logits(tmp_path: Path):
     """`nobubble train --model hf:CONFIG` for 20 steps (tied SmolLM2-style embeddings over two
     stages), `nobubble export`, then transformers' own loader: the same logits, bitwise."""
+    from nobubble.app.export import load_run_model
     from nobubble.cli import main
-    from nobubble.export import load_run_model
 
     config = transformers.LlamaConfig(
         vocab_size=512,

@@ -1,4 +1,4 @@
-"""The host allocator setting (nobubble.host_memory): freed memory stays in the process."""
+"""The host allocator setting (nobubble.core.host_memory): freed memory stays in the process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from nobubble.host_memory import ENV, allocator_setting, tune_host_allocator
+from nobubble.core.host_memory import ENV, allocator_setting, tune_host_allocator
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -20,7 +20,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 CHURN = textwrap.dedent(
     """
     import ctypes, ctypes.util, resource, sys
-    from nobubble.host_memory import tune_host_allocator
+    from nobubble.core.host_memory import tune_host_allocator
     print(tune_host_allocator(), file=sys.stderr)
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc.restype = ctypes.c_void_p
@@ -87,7 +87,7 @@ def test_train_refuses_a_bad_allocator_setting_before_any_work(tmp_path):
 
 
 def test_bench_runtime_refuses_an_unknown_allocator():
-    from nobubble.bench_runtime import RuntimeBench
+    from nobubble.app.bench.runtime import RuntimeBench
 
     with pytest.raises(ValueError, match="--allocator 'jemalloc': use one of as-shipped"):
         RuntimeBench(model="tiny", schedules=("1f1b",), allocator="jemalloc")

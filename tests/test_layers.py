@@ -1,4 +1,9 @@
-"""Keep design.md section 3's layering: layer 0 imports no torch; imports point down only."""
+"""The package's folders are its layers (docs/architecture.md): imports point down only, no module
+imports itself through others (no import circles), and the torch-free core loads no torch.
+
+Imports are read with ``ast`` from every file of the package, including those inside functions
+and under ``TYPE_CHECKING``: a lazy import is still a dependency.
+"""
 
 from __future__ import annotations
 
@@ -11,68 +16,37 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nobubble"
 
-# Module or package of nobubble -> layer; the most specific dotted name wins. Every top-level
-# module must be listed. In `distributed`, the transport is layer 2; the runtimes that run a whole
-# TrainConfig (per-rank runtime, launcher, synthetic runs, torch peer) sit in layer 3 beside the
-# emulator's Trainer, because they use config and assembly.
+# Module or package of nobubble (dotted, without ``nobubble.``) -> layer; the most specific
+# listed prefix wins. Every top-level module or folder must be listed. A module may import its
+# own layer and the ones below it.
 LAYERS = {
-    # the front door names the public API of every layer, loaded on first use (importing the
-    # package loads no torch: tests/test_api.py checks it), so its own imports count as layer 3
-    "__init__": 3,
-    "__main__": 3,
-    "core": 0,  # the torch-free core: ir, deps, placement, comm, schedules, ledger, ...
-    "model": 1,
+    "core": 0,  # no torch: schedules as data and everything derived from them
+    "model": 1,  # the internal GPT, Hugging Face models as stages, cost and memory models
     "data": 1,
     "optim": 1,
-    "exec": 1,
-    "pipeline": 3,  # the public API runs on the emulator (1) or the multi-process runner (2)
-    "splitting": 1,
-    "materializing": 1,  # stages of a meta-device model given tensors where they run
-    "replay": 1,  # a model's own init replayed with only some tensors real
-    "weights": 1,  # safetensors read and written a stage at a time
-    "host_memory": 0,  # glibc malloc settings through ctypes: no torch
-    "hf": 1,
-    "export": 3,
-    "distributed": 3,
-    "distributed.__init__": 2,
-    "distributed.transport": 2,
-    "distributed.clock": 2,
-    "distributed.api": 2,
-    "distributed.data_parallel": 2,  # the dp all-reduce, beside the transport
-    "distributed.fsdp": 2,  # sharding within a stage (FSDP2), beside it
-    "distributed.sharded_muon": 2,
-    "distributed.shard_comm": 2,
-    "distributed.staging": 2,  # gloo on a GPU: the transport's tensors through host memory
-    "config": 3,
-    "train": 3,
-    "checkpoint": 3,
-    "assemble": 3,
-    "metrics": 3,
-    "experiments": 3,
-    "bench_runtime": 3,
-    "bench_memory": 3,
-    "demo": 3,
-    "segments": 3,
-    "time_to_target": 3,
-    "study": 3,
-    "bench": 3,
-    "cli": 3,
+    "engine": 2,  # a schedule executed on modules: worker, versions, interpreter
+    "runtime": 3,  # what drives the engine: the emulator, torch.distributed
+    "api": 4,  # the public API: Pipeline, split, materialize, weights
+    # the front door names the public API, loaded on first use (importing the package loads no
+    # torch: tests/test_api.py checks it); nobubble.hf, the public path of the Hugging Face
+    # support, only re-exports
+    "__init__": 4,
+    "hf": 4,
+    "app": 5,  # application commands: train, bench, experiments, demo, study, export
+    "cli": 6,  # the command line, a thin layer over app
+    "__main__": 6,
 }
-# every module of layer 0, by its dotted name under nobubble
-LAYER0 = sorted(
-    ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
-    for p in SRC.rglob("*.py")
-    if LAYERS.get(p.relative_to(SRC).parts[0].removesuffix(".py")) == 0
-)
 
 
-def top_level(path: Path) -> str:
-    rel = path.relative_to(SRC)
-    return rel.parts[0].removesuffix(".py")
+def module_name(path: Path, root: Path) -> str:
+    """``a.b`` for root/a/b.py and root/a/b/__init__.py; ``__init__`` for the root's own."""
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
 
 
 def layer_of(dotted: str) -> int:
-    """Layer of ``a.b.c`` (without the ``nobubble.`` prefix): its most specific listed prefix."""
     parts = dotted.split(".")
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in LAYERS:
@@ -80,45 +54,196 @@ def layer_of(dotted: str) -> int:
     raise KeyError(dotted)
 
 
-def nobubble_imports(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text())
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+def modules(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def imports_of(path: Path, root: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, module) for every import of the package in ``path`` (``torch`` ones too, as
+    ``torch``): ``from pkg import sub`` counts as the submodule, ``from pkg import name`` as
+    ``pkg``; the package itself (``import nobubble``) is ``__init__``."""
+    package = root.name
+    own = module_name(path, root)
+    is_package = path.name == "__init__.py"
+    found: list[tuple[int, str]] = []
+
+    def resolve(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        if parts[0] != package:
+            return None
+        inner = parts[1:]
+        for n in range(len(inner), 0, -1):
+            if ".".join(inner[:n]) in known:
+                return ".".join(inner[:n])
+        return "__init__"
+
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the importer's package
+                base = own.split(".") if is_package and own != "__init__" else own.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join([package, *base, *([node.module] if node.module else [])])
+            else:
+                stem = node.module or ""
+            targets = [f"{stem}.{alias.name}" for alias in node.names]
         else:
             continue
-        found += [(node.lineno, n) for n in names]
+        for target in targets:
+            if target.split(".")[0] == "torch":
+                found.append((node.lineno, "torch"))
+            resolved = resolve(target)
+            if resolved is not None and resolved != own:
+                found.append((node.lineno, resolved))
+    return sorted(set(found))
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    mods = modules(root)
+    known = set(mods) - {"__init__"}
+    return {
+        name: {t for _, t in imports_of(path, root, known) if t != "torch"}
+        for name, path in mods.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
     return found
 
 
+def upward(root: Path) -> list[str]:
+    """Every import of a higher layer, and every torch import in layer 0."""
+    mods = modules(root)
+    known = set(mods) - {"__init__"}
+    bad = []
+    for name, path in mods.items():
+        own = layer_of(name)
+        for lineno, target in imports_of(path, root, known):
+            rel = path.relative_to(root)
+            if target == "torch":
+                if own == 0:
+                    bad.append(f"{rel}:{lineno} imports torch in layer 0")
+            elif layer_of(target) > own:
+                bad.append(f"{rel}:{lineno} (layer {own}) imports {target} ({layer_of(target)})")
+    return bad
+
+
 def test_every_module_has_a_layer():
-    unknown = {top_level(p) for p in SRC.rglob("*.py")} - set(LAYERS)
+    unknown = set()
+    for name in modules(SRC):
+        try:
+            layer_of(name)
+        except KeyError:
+            unknown.add(name.split(".")[0])
     assert not unknown, f"add these to LAYERS in {__file__}: {sorted(unknown)}"
 
 
-@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
-def test_imports_point_down(path):
-    rel = path.relative_to(SRC).with_suffix("")
-    own = layer_of(".".join(rel.parts))
-    for lineno, name in nobubble_imports(path):
-        parts = name.split(".")
-        if parts[0] == "torch" or parts[0].startswith("torch"):
-            assert own >= 1, f"{path.name}:{lineno} imports torch in layer 0"
-        if parts[0] != "nobubble" or len(parts) == 1:
-            continue
-        target = layer_of(".".join(parts[1:]))
-        assert target <= own, f"{path.name}:{lineno} (layer {own}) imports {name} (layer {target})"
+def test_imports_point_down():
+    bad = upward(SRC)
+    assert not bad, "imports that point up:\n" + "\n".join(bad)
+
+
+def test_no_import_circles():
+    found = cycles(import_graph(SRC))
+    assert not found, "modules that import each other (directly or around a circle):\n" + (
+        "\n".join(" <-> ".join(c) for c in found)
+    )
+
+
+def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
+    root = tmp_path / "nobubble"
+    files = {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/a.py": "from nobubble.core.b import X\n",
+        "core/b.py": "def f():\n    from nobubble.core import a\nX = 1\n",  # a <-> b, lazily
+        "core/c.py": "from . import a\nimport torch\n",  # relative import; torch in layer 0
+        "engine/__init__.py": "",
+        "engine/w.py": "from nobubble.api.p import P\n",  # up from 2 to 4
+        "api/__init__.py": "",
+        "api/p.py": "from nobubble.engine import w\nP = 1\n",  # w <-> p
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert cycles(import_graph(root)) == [["api.p", "engine.w"], ["core.a", "core.b"]]
+    assert import_graph(root)["core.c"] == {"core.a"}
+    bad = upward(root)
+    assert len(bad) == 2, bad
+    assert "core/c.py:2 imports torch in layer 0" in bad
+    assert "engine/w.py:1 (layer 2) imports api.p (4)" in bad
+
+
+def layer0() -> list[str]:
+    return sorted(m for m in modules(SRC) if m != "__init__" and layer_of(m) == 0)
 
 
 def test_layer0_runs_without_torch():
     code = (
         "import sys\n"
-        + "".join(f"import nobubble.{m}\n" for m in LAYER0)
+        + "".join(f"import nobubble.{m}\n" for m in layer0())
         + "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         + "assert not bad, bad\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("layer", sorted(set(LAYERS.values())))
+def test_every_layer_has_modules(layer):
+    """A layer of the map that no module is in is a stale map."""
+    assert any(layer_of(m) == layer for m in modules(SRC)), layer
+
+
+MAX_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    """A module that grows past this is split by responsibility (docs/architecture.md)."""
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these modules by responsibility: {long}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nobubble.experiments.muon_share import muon_share
+from nobubble.app.experiments.muon_share import muon_share
 from nobubble.model import model_config
 
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch import nn
 
+from nobubble.app.train.config import TrainConfig
+from nobubble.app.train.metrics import read_metrics
+from nobubble.app.train.trainer import Trainer
 from nobubble.cli import main
-from nobubble.config import TrainConfig
 from nobubble.core.errors import MissingExtra
-from nobubble.metrics import read_metrics
 from nobubble.model import GPT, model_config
 from nobubble.optim import OptimConfig, build_optimizer
 from nobubble.optim.library import LIBRARY_OPTIMIZERS
-from nobubble.train import Trainer
 from test_train import _without_time, small
 
 HAVE_LIBRARY = importlib.util.find_spec("pytorch_optimizer") is not None

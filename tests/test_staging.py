@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from _api_reference import run_pipeline
-from nobubble.distributed.staging import HOST, inbound, outbound
-from nobubble.distributed.transport import Handle
+from nobubble.runtime.distributed.staging import HOST, inbound, outbound
+from nobubble.runtime.distributed.waits import Handle
 from test_api_dist import launch, problems
 
 META = torch.device("meta")
@@ -67,7 +67,7 @@ RANK_SCRIPT = """
 import json, sys, torch
 import nobubble, problems
 from _api_reference import run_pipeline, adamw
-from nobubble.distributed import staging
+from nobubble.runtime.distributed import staging
 staging.HostStaged.copy_always = True  # every tensor through a separate host copy, as on a GPU
 steps, drain, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 seq, saved = problems.PROBLEMS["seq"], {}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nobubble.study import MeasuredCosts, cost_model, measure_costs, simulate_grid, simulate_row
+from nobubble.app.study import MeasuredCosts, cost_model, measure_costs, simulate_grid, simulate_row
 
 UNIT = MeasuredCosts(
     fwd=1.0,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from nobubble.app.ranks.synthetic import run_synthetic
 from nobubble.cli import main
 from nobubble.core.schedules import build_schedule
-from nobubble.distributed.synthetic import run_synthetic
 
 
 def test_synthetic_run_executes_every_action_of_every_rank():

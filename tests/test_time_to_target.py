@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nobubble.core.schedules import build_schedule
-from nobubble.core.sim import CostModel, simulate
-from nobubble.time_to_target import (
+from nobubble.app.time_to_target import (
     Variant,
     crossing,
     parse_variants,
@@ -20,6 +18,8 @@ from nobubble.time_to_target import (
     summarize,
     val_curve,
 )
+from nobubble.core.schedules import build_schedule
+from nobubble.core.sim import CostModel, simulate
 
 
 # ----- the crossing rule --------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_a_race_reports_each_seeds_time_to_its_baselines_final_loss(tmp_path):
 
 
 def test_equal_budget_steps_follow_the_measured_throughput_in_whole_quanta():
-    from nobubble.time_to_target import budget_steps
+    from nobubble.app.time_to_target import budget_steps
 
     def row(*tokens_per_s: float) -> dict:
         return {"seeds": {s: {"tokens_per_s": t} for s, t in enumerate(tokens_per_s)}}

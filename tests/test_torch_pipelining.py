@@ -6,7 +6,7 @@ written here (plain PipelineStage on the stage modules, the last one returning l
 ``lm_loss``), and save every parameter's averaged gradient. nobubble's side is the single-process
 emulator (worker, interpreter, in-process transport) with a worker that records ``.grad`` when
 the first optimizer step begins. The same processes also run the benchmark's torch peer
-(``nobubble.distributed.torch_peer.PeerRun``), which must give the reference's gradients too.
+(``nobubble.app.ranks.torch_peer.PeerRun``), which must give the reference's gradients too.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from nobubble.assemble import load_data, make_plan, make_stages
-from nobubble.config import TrainConfig
+from nobubble.app.ranks.launch import free_port
+from nobubble.app.train.assemble import load_data, make_plan, make_stages
+from nobubble.app.train.config import TrainConfig
 from nobubble.data import fetch_shakespeare
-from nobubble.distributed.launch import free_port
-from nobubble.exec import Emulator, InProcessTransport, Interpreter, StageWorker
+from nobubble.engine import InProcessTransport, Interpreter, StageWorker
 from nobubble.model import lm_loss
 from nobubble.optim import NoCorrection, build_optimizer, lr_at
+from nobubble.runtime.emulator import Emulator
 
 RTOL = 1e-6
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -37,9 +38,9 @@ import json, sys
 import torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from nobubble.config import TrainConfig
+from nobubble.app.train.config import TrainConfig
 from nobubble.data import prepare_data
-from nobubble.distributed.torch_peer import PeerRun
+from nobubble.app.ranks.torch_peer import PeerRun
 from nobubble.model import build_model, model_config, partition_layers, split_model
 from nobubble.model.gpt import lm_loss, run_layers
 
@@ -187,7 +188,7 @@ def test_benchmark_peer_gradients_equal_torch_pipelining(torch_grads, schedule):
 
 
 def test_benchmark_peer_rejects_a_nobubble_schedule(cfg):
-    from nobubble.distributed.torch_peer import peer_config
+    from nobubble.app.ranks.torch_peer import peer_config
 
     with pytest.raises(ValueError, match=r"'paci' is not a torch\.distributed\.pipelining"):
         peer_config(cfg, "paci")
@@ -200,8 +201,8 @@ NEW_PEERS = ("torch-zb-h1", "torch-interleaved-1f1b", "torch-interleaved-zb", "t
 PEERS_SIDE = """
 import json, sys
 import torch, torch.distributed as dist
-from nobubble.config import TrainConfig
-from nobubble.distributed.torch_peer import PeerRun
+from nobubble.app.train.config import TrainConfig
+from nobubble.app.ranks.torch_peer import PeerRun
 
 torch.set_num_threads(1)
 cfg = TrainConfig(**json.loads(sys.argv[1]))
@@ -268,7 +269,7 @@ def peer_runs(steps3, tmp_path_factory) -> dict[str, dict]:
 
 def emulator_losses(cfg: TrainConfig, schedule: str, out: Path) -> list[float]:
     """Per-step mean losses of ``nobubble train`` in the emulator (all stages in one process)."""
-    from nobubble.train import Trainer
+    from nobubble.app.train.trainer import Trainer
 
     run = TrainConfig.from_mapping({"schedule": schedule, "out": str(out / schedule)}, base=cfg)
     return [record["loss"] for record in Trainer(run).run().records]
@@ -327,7 +328,7 @@ def test_zero_bubble_and_interleaved_peers_time_every_compute_action(
 
 
 def test_torch_peers_refuse_an_m_their_schedule_cannot_take(cfg):
-    from nobubble.distributed.torch_peer import peer_config
+    from nobubble.app.ranks.torch_peer import peer_config
 
     bad = TrainConfig.from_mapping({"microbatches": 5}, base=cfg)
     for peer in ("torch-interleaved-1f1b", "torch-interleaved-zb"):
@@ -336,7 +337,7 @@ def test_torch_peers_refuse_an_m_their_schedule_cannot_take(cfg):
 
 
 def test_bench_refuses_a_model_too_shallow_for_v_times_p_stages_before_any_process():
-    from nobubble.bench_runtime import RuntimeBench
+    from nobubble.app.bench.runtime import RuntimeBench
 
     # tiny has 4 layers: P=3 ranks of 2 stages need 6
     with pytest.raises(ValueError, match=r"torch-zbv .*--stages 3 cuts the model into 6 stages"):
@@ -349,10 +350,10 @@ def test_bench_wiring_gives_interleaved_variants_their_v(monkeypatch):
     """nobubble's interleaved-1f1b gets --virtual-stages and its torch twin the same cut. The
     multi-process runtime refuses several stages per rank until it runs them (check_trainable),
     so that refusal is lifted here to look at the wiring alone."""
-    import nobubble.config
-    from nobubble.bench_runtime import RuntimeBench, train_argv
+    import nobubble.app.train.config
+    from nobubble.app.bench.runtime import RuntimeBench, train_argv
 
-    monkeypatch.setattr(nobubble.config, "check_trainable", lambda *a, **k: None)
+    monkeypatch.setattr(nobubble.app.train.config, "check_trainable", lambda *a, **k: None)
     bench = RuntimeBench(
         model="mini", virtual_stages=4, schedules=("interleaved-1f1b", "torch-interleaved-1f1b")
     )
@@ -364,8 +365,8 @@ def test_bench_wiring_gives_interleaved_variants_their_v(monkeypatch):
 
 
 def test_cli_names_every_torch_peer():
+    from nobubble.app.ranks.torch_peer import TORCH_SCHEDULES
     from nobubble.cli.bench_cmds import TORCH_PEERS
-    from nobubble.distributed.torch_peer import TORCH_SCHEDULES
 
     assert tuple(TORCH_SCHEDULES) == TORCH_PEERS
 

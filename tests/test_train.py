@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nobubble.checkpoint import CheckpointError
+from nobubble.app.train.checkpoint import CheckpointError
+from nobubble.app.train.config import TrainConfig
+from nobubble.app.train.metrics import read_metrics
+from nobubble.app.train.trainer import Trainer
 from nobubble.cli import main
-from nobubble.config import TrainConfig
 from nobubble.data import fetch_shakespeare, write_bin_shard
-from nobubble.metrics import read_metrics
-from nobubble.train import Trainer
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from nobubble.app.ranks.launch import free_port, rank_env
 from nobubble.core.comm import (
     COLLECTIVES,
     GATHER,
@@ -29,8 +30,7 @@ from nobubble.core.comm import (
 )
 from nobubble.core.ir import STEP
 from nobubble.core.schedules import build_schedule
-from nobubble.distributed import transport as tr
-from nobubble.distributed.launch import free_port, rank_env
+from nobubble.runtime.distributed import transport as tr
 
 
 @dataclass
@@ -175,7 +175,7 @@ import json, sys, torch, torch.distributed as dist
 from nobubble.core.comm import check_communication, incoming, outgoing
 from nobubble.core.ir import STEP
 from nobubble.core.schedules import build_schedule
-from nobubble.distributed.transport import DistTransport
+from nobubble.runtime.distributed.transport import DistTransport
 dist.init_process_group("gloo")
 rank, schedule = dist.get_rank(), build_schedule("1f1b", 2, 4, 8)
 batches = check_communication(schedule, False, ())[rank]

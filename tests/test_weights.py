@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import nobubble
+from nobubble.api.weights import WeightsError
 from nobubble.hf import meta_model
-from nobubble.weights import WeightsError
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
@@ -170,9 +170,9 @@ def test_dist_run_reads_a_sharded_folder_per_stage_and_its_export_reloads(tmp_pa
     bitwise; its checkpoint is sharded safetensors with an index; ``nobubble export`` of it
     loads with from_pretrained and gives the logits of the checkpoint's stages."""
     from _dist_helpers import load_parts, numbers, run_train, small_flags
+    from nobubble.app.train.metrics import read_metrics
     from nobubble.cli import main
     from nobubble.data import fetch_shakespeare
-    from nobubble.metrics import read_metrics
 
     corpus = tmp_path / "plays.txt"
     corpus.write_text(fetch_shakespeare().read_text()[:200_000])

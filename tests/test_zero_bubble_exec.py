@@ -3,8 +3,8 @@
 interleaved-1f1b, zb-h1 and zbv are synchronous: every forward and backward of batch j reads
 version j, so a run must equal plain gradient accumulation on the unsplit model, bitwise, as
 gpipe and 1f1b do (design.md section 2). The references are _api_reference's, written in plain
-PyTorch without nobubble.exec or nobubble.pipeline. The split backward (I, then W) must also give
-exactly the weights of the fused B under the same order of forwards and backwards.
+PyTorch without nobubble.engine or nobubble.api.pipeline. The split backward (I, then W) must
+also give exactly the weights of the fused B under the same order of forwards and backwards.
 """
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ from _api_reference import (
     run_pipeline,
     weights,
 )
-from nobubble.config import TrainConfig
+from nobubble.api.arguments import TorchOptimizer
+from nobubble.app.train.config import TrainConfig
 from nobubble.core.ir import Action, B, I, Schedule, W
 from nobubble.core.ledger import build_ledger
 from nobubble.core.schedules import build_schedule
 from nobubble.core.validate import validate
-from nobubble.exec import Emulator, InProcessTransport, StageWorker, rank_interpreters, split
+from nobubble.engine import InProcessTransport, StageWorker
+from nobubble.engine import split_backward as split
 from nobubble.model import build_model, lm_loss, model_config, split_model
 from nobubble.optim import NoCorrection
-from nobubble.pipeline import TorchOptimizer
+from nobubble.runtime.emulator import Emulator, rank_interpreters
 from test_api import CUTS, SEQ, batch, loss_fn, make_model  # a user's model, loss and data
 
 ROWS = 8  # rows per batch: 2 per micro-batch at M = 4

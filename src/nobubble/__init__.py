@@ -7,10 +7,10 @@ The front door (docs/api.md)::
     pipe = nobubble.Pipeline(stages, loss_fn, schedule="paci", microbatches=4)
     result = pipe.step(inputs, targets)  # one optimizer step's batch
 
-Layer 0 (no torch): ``ir``, ``deps``, ``placement``, ``schedules``, ``ledger``, ``validate``,
-``sim``, ``viz``.
-Layer 1 (torch): ``model``, ``data``, ``optim``, ``exec``; ``pipeline``, ``splitting`` and
-``materializing`` (the public API). Layer 2: ``dist``. Layer 3: ``config``, ``train``, ``cli``.
+The package's folders are its layers, each importing only the ones below it (docs/architecture.md):
+``cli`` > ``app`` (train, bench, experiments, demo, ...) > ``api`` (``Pipeline``, ``split``,
+``materialize``) > ``runtime`` (emulator, torch.distributed) > ``engine`` > ``model``, ``data``,
+``optim`` > ``core`` (no torch). ``nobubble.hf`` names the Hugging Face support.
 Importing the package imports nothing heavy: the names below load their module on first use.
 """
 
@@ -21,24 +21,24 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Pipeline": "nobubble.pipeline",
-    "StepResult": "nobubble.pipeline",
-    "MicrobatchLoss": "nobubble.pipeline",
-    "split": "nobubble.splitting",
-    "materialize": "nobubble.materializing",
+    "Pipeline": "nobubble.api.pipeline",
+    "StepResult": "nobubble.api.pipeline",
+    "MicrobatchLoss": "nobubble.api.pipeline",
+    "split": "nobubble.api.splitting",
+    "materialize": "nobubble.api.materializing",
     "SCHEDULE_NAMES": "nobubble.core.schedules",
-    "tune_host_allocator": "nobubble.host_memory",
+    "tune_host_allocator": "nobubble.core.host_memory",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from nobubble.api.materializing import materialize as materialize
+    from nobubble.api.pipeline import MicrobatchLoss as MicrobatchLoss
+    from nobubble.api.pipeline import Pipeline as Pipeline
+    from nobubble.api.pipeline import StepResult as StepResult
+    from nobubble.api.splitting import split as split
+    from nobubble.core.host_memory import tune_host_allocator as tune_host_allocator
     from nobubble.core.schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
-    from nobubble.host_memory import tune_host_allocator as tune_host_allocator
-    from nobubble.materializing import materialize as materialize
-    from nobubble.pipeline import MicrobatchLoss as MicrobatchLoss
-    from nobubble.pipeline import Pipeline as Pipeline
-    from nobubble.pipeline import StepResult as StepResult
-    from nobubble.splitting import split as split
 
 
 def __getattr__(name: str) -> Any:

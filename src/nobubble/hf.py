@@ -1,401 +1,53 @@
-"""Hugging Face causal language models as pipeline stages (the optional extra ``nobubble[hf]``).
+"""``nobubble.hf``: the public path to Hugging Face causal LMs (the optional extra
+``nobubble[hf]``).
 
-A stage holds its slice of the model's modules under their own names (``model.layers.4...``,
-``lm_head.weight``) and shares them with the model: no copy is made, and training the stages
-trains the model, which ``transformers`` can then save and reload as it is. Only the hidden
-states cross a stage boundary; each stage recomputes what is cheaper to recompute than to send:
-the positions, the rotary tables and the causal mask.
-
-Supported families: the Llama family (``LlamaForCausalLM`` and the configs that share its
-layout: Mistral, Qwen2, Qwen3; SmolLM2 is a Llama config) and GPT-2. The inputs are token ids
-(batch, seq) of packed sequences, with no padding mask, as in pretraining.
-
-Tied input and output embeddings (GPT-2, SmolLM2) are one parameter in the model. Split over
-several stages, the first stage owns the embedding and the last the head, so the head gets a
-copy that the last stage declares tied (``tied_parameters``): a synchronous pipeline adds both
-copies' gradients before every step, so they take the same step and stay bitwise equal, and
-``export`` ties them again. Asynchronous schedules refuse that (the copies would be updated at
-different times); ``untie=True`` (``--untie-embeddings``) makes them two parameters from then on,
-a different model that ``export`` writes with ``tie_word_embeddings`` false.
+This module only re-exports; the code lives by layer: loading, tied embeddings and ``export`` in
+``nobubble.model.hf``, the stage modules in ``nobubble.model.hf_stages``, the cut into stages and
+its balance in ``nobubble.api.split_hf`` (``nobubble.split`` takes these models too).
 """
 
-from __future__ import annotations
-
-import itertools
-import json
-import re
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
-
-from nobubble.core.errors import MissingExtra
-from nobubble.materializing import remember
-from nobubble.splitting import balanced_cuts, compute_cost
-
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = (*LLAMA_LIKE, "gpt2")
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
+from nobubble.api.split_hf import split_balance, split_hf
+from nobubble.model.hf import (
+    FAMILIES,
+    LLAMA_LIKE,
+    WEIGHT_FILES,
+    check_family,
+    check_installed,
+    config_layers,
+    config_vocab,
+    embedding_names,
+    export,
+    is_hf_model,
+    load_model,
+    meta_model,
+    read_config,
+    require_transformers,
+    tied_names,
+    untie_embeddings,
+    weights_of,
 )
+from nobubble.model.hf_stages import GPT2Stage, LlamaStage
 
-
-def require_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:
-        raise MissingExtra(
-            "Hugging Face models need the transformers package: pip install 'nobubble[hf]'"
-        ) from exc
-    return transformers
-
-
-def check_installed() -> None:
-    """Refuse early, without importing it, when transformers is missing."""
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec("transformers") is not None
-    except (ValueError, ImportError):  # a module set to None in sys.modules, a broken install
-        found = False
-    if not found:
-        raise MissingExtra(
-            "Hugging Face models need the transformers package: pip install 'nobubble[hf]'"
-        )
-
-
-def is_hf_model(model: Any) -> bool:
-    return hasattr(model, "config") and hasattr(model.config, "model_type")
-
-
-def _folder(path: str) -> Path:
-    p = Path(path)
-    if p.is_file() and p.name == "config.json":
-        return p.parent
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(
-                f"hf:{path} is a folder without a config.json: pass a model folder saved by "
-                "transformers (save_pretrained) or a config.json"
-            )
-        return p
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", path):
-        raise FileNotFoundError(
-            f"hf:{path} looks like a hub id, and there is no local folder of that name; "
-            "nobubble does not download: fetch it first (huggingface-cli download "
-            f"{path} --local-dir DIR) and pass hf:DIR"
-        )
-    raise FileNotFoundError(f"hf:{path} does not exist: pass a model folder or a config.json")
-
-
-def read_config(path: str) -> dict[str, Any]:
-    """The config.json of the model at ``path``, read without transformers (for checks)."""
-    folder = _folder(path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"hf:{path}: config.json is not valid JSON ({err})") from None
-    check_family(str(config.get("model_type")))
-    return config
-
-
-def config_layers(config: dict[str, Any]) -> int:
-    return int(config.get("num_hidden_layers", config.get("n_layer", 0)))
-
-
-def config_vocab(config: dict[str, Any]) -> int:
-    return int(config["vocab_size"])
-
-
-def load_model(path: str, seed: int = 0) -> Any:
-    """The causal LM at ``path`` (a local folder or its config.json), in fp32.
-
-    A folder with weights loads them; a config alone gets a random init from ``seed``.
-    Nothing is downloaded.
-    """
-    transformers = require_transformers()
-    folder = _folder(path)
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    check_family(config.model_type)
-    if any((folder / name).is_file() for name in WEIGHT_FILES):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, dtype=torch.float32
-        )
-    else:
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.train()
-
-
-def meta_model(path: str) -> Any:
-    """The causal LM of ``path``'s config built on the meta device (fp32, no memory): split it,
-    then ``nobubble.materialize`` each process's stages (``weights_of(path)`` or a seed)."""
-    transformers = require_transformers()
-    config = transformers.AutoConfig.from_pretrained(_folder(path), local_files_only=True)
-    check_family(config.model_type)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.train()
-
-
-def weights_of(path: str) -> Path | None:
-    """The folder of ``path``'s safetensors weights (one file or sharded with its index), or
-    None for a config alone. Weights only as pytorch_model.bin cannot be read a tensor at a
-    time: a ValueError says how to convert them."""
-    folder = _folder(path)
-    if (folder / "model.safetensors").is_file() or (
-        folder / "model.safetensors.index.json"
-    ).is_file():
-        return folder
-    if any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise ValueError(
-            f"hf:{path} holds its weights as pytorch_model.bin, which every process would "
-            "have to read whole: save it as safetensors first (AutoModelForCausalLM."
-            "from_pretrained(DIR).save_pretrained(DIR2)) and pass hf:DIR2"
-        )
-    return None
-
-
-def check_family(model_type: str) -> None:
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"Hugging Face model type {model_type!r} is not supported yet; supported: "
-            f"{', '.join(FAMILIES)}. Another model can pass its own list of stage modules to "
-            "nobubble.Pipeline"
-        )
-
-
-# ----- the layout of each family -----------------------------------------------------------
-def _layout(model: Any) -> tuple[str, nn.ModuleList]:
-    """The prefix of the repeated blocks and the blocks."""
-    model_type = model.config.model_type
-    check_family(model_type)
-    if model_type == "gpt2":
-        return "transformer.h", model.transformer.h
-    return "model.layers", model.model.layers
-
-
-def tied_names(model: Any) -> tuple[str, str] | None:
-    """(embedding, head) parameter names when the model ties them (one parameter), else None."""
-    embed, head = _embedding(model), model.lm_head.weight
-    if embed.weight is not head:
-        return None
-    return embedding_names(model.config.model_type)
-
-
-def embedding_names(model_type: str) -> tuple[str, str]:
-    """The (input embedding, head) weight names of a family."""
-    prefix = "transformer.wte" if model_type == "gpt2" else "model.embed_tokens"
-    return f"{prefix}.weight", "lm_head.weight"
-
-
-def _embedding(model: Any) -> nn.Embedding:
-    return model.transformer.wte if model.config.model_type == "gpt2" else model.model.embed_tokens
-
-
-def _layers(blocks: nn.ModuleList, ids: Sequence[int]) -> nn.ModuleList:
-    """The blocks ``ids`` under their indices in the model (names stay the model's)."""
-    out = nn.ModuleList()
-    for i in ids:
-        out.add_module(str(i), blocks[i])
-    return out
-
-
-class _Holder(nn.Module):
-    """A plain container that gives its children the model's attribute path."""
-
-
-def _causal_mask(config: Any, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
-    from transformers.masking_utils import create_causal_mask
-
-    return create_causal_mask(
-        config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
-    )
-
-
-class LlamaStage(nn.Module):
-    """Layers ``layer_ids`` of a Llama-family model, with the embedding on the first stage and
-    the final norm and head on the last; the forward is ``LlamaModel.forward``'s, cut."""
-
-    model: Any
-    lm_head: Any
-
-    def __init__(self, model: Any, layer_ids: Sequence[int], first: bool, last: bool):
-        super().__init__()
-        self.config, self.first, self.last = model.config, first, last
-        self.layer_ids = tuple(layer_ids)
-        inner = _Holder()
-        if first:
-            inner.embed_tokens = model.model.embed_tokens
-        inner.layers = _layers(model.model.layers, layer_ids)
-        if last:
-            inner.norm = model.model.norm
-        inner.rotary_emb = model.model.rotary_emb  # buffers only: recomputed per stage
-        self.model = inner
-        if last:
-            self.lm_head = model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model.embed_tokens(x) if self.first else x  # (B, T, D)
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = _causal_mask(self.config, h, positions)
-        rope = self.model.rotary_emb(h, position_ids=positions)
-        for layer in self.model.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
-        return self.lm_head(self.model.norm(h)) if self.last else h
-
-    def extra_repr(self) -> str:
-        return f"layers={self.layer_ids}, first={self.first}, last={self.last}"
-
-
-class GPT2Stage(nn.Module):
-    """Blocks ``layer_ids`` of a GPT-2, with the token and position embeddings on the first stage
-    and the final norm and head on the last; the forward is ``GPT2Model.forward``'s, cut."""
-
-    transformer: Any
-    lm_head: Any
-
-    def __init__(self, model: Any, layer_ids: Sequence[int], first: bool, last: bool):
-        super().__init__()
-        self.config, self.first, self.last = model.config, first, last
-        self.layer_ids = tuple(layer_ids)
-        inner = _Holder()
-        if first:
-            inner.wte, inner.wpe, inner.drop = (
-                model.transformer.wte,
-                model.transformer.wpe,
-                model.transformer.drop,
-            )
-        inner.h = _layers(model.transformer.h, layer_ids)
-        if last:
-            inner.ln_f = model.transformer.ln_f
-        self.transformer = inner
-        if last:
-            self.lm_head = model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.transformer
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        if self.first:
-            embeds = t.wte(x)
-            h = t.drop(embeds + t.wpe(positions))
-        else:
-            h = x
-        mask = _causal_mask(self.config, h, positions)
-        for block in t.h:
-            h = block(h, None, mask, position_ids=positions)
-        return self.lm_head(t.ln_f(h)) if self.last else h
-
-    def extra_repr(self) -> str:
-        return f"layers={self.layer_ids}, first={self.first}, last={self.last}"
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> list[nn.Module]:
-    """Cut a Hugging Face causal LM before the named blocks (``["model.layers.4"]``), or into
-    ``points`` stages that balance their compute (embedding on the first, head on the last)."""
-    prefix, blocks = _layout(model)
-    n = len(blocks)
-    names = [f"{prefix}.{i}" for i in range(n)]
-    if isinstance(points, int) and not isinstance(points, bool):
-        if not 1 <= points <= n:
-            raise ValueError(
-                f"split into {points} stages, but the model has {n} blocks ({prefix}.0 .. "
-                f"{prefix}.{n - 1}): use 1 to {n} stages"
-            )
-        # compute, not memory: a multiply-add per parameter and token, so the head's matmul
-        # counts on the last stage (tied or not) and the embedding, a lookup, counts nothing
-        costs = [_numel(b) for b in blocks]
-        costs[-1] += model.lm_head.weight.numel()
-        starts = balanced_cuts(costs, points)
-    else:
-        if isinstance(points, int | str):
-            raise TypeError(f"points must be a list of block names or a number, got {points!r}")
-        starts = []
-        for point in points:
-            if point not in names:
-                raise ValueError(
-                    f"split point {point!r} names no block of this {model.config.model_type} "
-                    f"model; its blocks are {prefix}.0 .. {prefix}.{n - 1}"
-                )
-            index = names.index(point)
-            if index == 0 or (starts and index <= starts[-1]):
-                raise ValueError(
-                    f"split point {point!r} would leave a stage without blocks: list points "
-                    f"after {prefix}.0, in order, each once"
-                )
-            starts.append(index)
-    bounds = [0, *starts, n]
-    num_stages = len(bounds) - 1
-    tied = tied_names(model)
-    if tied is not None and num_stages > 1:
-        if untie:
-            untie_embeddings(model)
-        else:  # two copies, declared tied: the pipeline adds their gradients at each step
-            model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
-    stage_cls = GPT2Stage if model.config.model_type == "gpt2" else LlamaStage
-    stages: list[Any] = [
-        stage_cls(model, range(a, b), first=s == 0, last=s == num_stages - 1)
-        for s, (a, b) in enumerate(itertools.pairwise(bounds))
-    ]
-    if tied is not None and num_stages > 1 and not untie:
-        stages[-1].tied_parameters = {tied[1]: tied[0]}
-    # on meta: the head's own copy starts as the embedding (as the clone above would)
-    remember(stages, model, {tied[1]: tied[0]} if tied is not None and num_stages > 1 else None)
-    return stages
-
-
-def split_balance(path: str, num_stages: int) -> dict[str, Any]:
-    """The blocks per stage of ``split(model, num_stages)`` and the estimated balance of their
-    compute (lightest / heaviest): the parameters outside embeddings, each one multiply-add per
-    token (an embedding is a lookup; attention's T^2 term is left out). Built on a meta model,
-    so nothing is allocated whatever the model's size."""
-    transformers = require_transformers()
-    config = transformers.AutoConfig.from_pretrained(_folder(path), local_files_only=True)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    stages = split_hf(model, num_stages)
-    costs = [compute_cost(stage) for stage in stages]
-    ids = [getattr(stage, "layer_ids") for stage in stages]  # noqa: B009
-    return {
-        "layers": [f"{i[0]}-{i[-1]}" for i in ids],
-        "balance": min(costs) / max(costs),
-        "measure": "compute",
-    }
-
-
-def untie_embeddings(model: Any) -> None:
-    """Give the head its own copy of the tied weights; the config says so from now on."""
-    if tied_names(model) is None:
-        return
-    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-
-
-def export(model: Any, out: str | Path) -> Path:
-    """Write ``model`` as a transformers folder (``from_pretrained(out)`` loads it).
-
-    A model whose config ties the embeddings and whose head was a separate copy during
-    pipelined training is tied again first; the two copies must be bitwise equal.
-    """
-    out = Path(out)
-    embed = _embedding(model)
-    if model.config.tie_word_embeddings and model.lm_head.weight is not embed.weight:
-        if not torch.equal(model.lm_head.weight, embed.weight):
-            raise ValueError(
-                "the config ties lm_head.weight to the input embedding, but the two copies "
-                "differ: they were trained apart (untie=True sets tie_word_embeddings false)"
-            )
-        model.lm_head.weight = embed.weight
-    model.save_pretrained(out, safe_serialization=True)
-    meta = {"written_by": "nobubble", "tie_word_embeddings": bool(model.config.tie_word_embeddings)}
-    (out / "nobubble.json").write_text(json.dumps(meta, indent=1) + "\n")
-    return out
+__all__ = [
+    "FAMILIES",
+    "LLAMA_LIKE",
+    "WEIGHT_FILES",
+    "GPT2Stage",
+    "LlamaStage",
+    "check_family",
+    "check_installed",
+    "config_layers",
+    "config_vocab",
+    "embedding_names",
+    "export",
+    "is_hf_model",
+    "load_model",
+    "meta_model",
+    "read_config",
+    "require_transformers",
+    "split_balance",
+    "split_hf",
+    "tied_names",
+    "untie_embeddings",
+    "weights_of",
+]

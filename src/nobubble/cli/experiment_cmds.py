@@ -38,7 +38,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from nobubble.experiments import run_experiment
+    from nobubble.app.experiments.experiment import run_experiment
 
     summary = run_experiment(
         args.name,
@@ -71,7 +71,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from nobubble.demo import format_demo, run_demo
+    from nobubble.app.demo import format_demo, run_demo
 
     result = run_demo(Path(args.out), args.steps, args.rounds, progress=not args.json)
     if args.json:
@@ -84,7 +84,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_study(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from nobubble.study import format_study, run_study
+    from nobubble.app.study import format_study, run_study
 
     runs = None
     if args.runs:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from nobubble.export import export_run
+    from nobubble.app.export import export_run
 
     out = export_run(Path(args.run_dir), Path(args.hf))
     print(f"wrote {out} (transformers.AutoModelForCausalLM.from_pretrained loads it)")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from nobubble.core.comm import SEND, Batch, CommOp, incoming, outgoing, with_collectives
+from nobubble.core.comm_ops import SEND, Batch, CommOp, incoming, outgoing, with_collectives
 from nobubble.core.deps import remote_dependency
 from nobubble.core.ir import STEP, Action, B, F, I, Schedule, ScheduleError, W
 

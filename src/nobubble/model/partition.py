@@ -207,3 +207,28 @@ def describe_partition(
     imbalance = max(costs) / mean if mean > 0 else 1.0
     lines.append(f"max/mean stage cost: {imbalance:.2f} (1.00 = balanced)")
     return "\n".join(lines)
+
+
+def balanced_cuts(costs: Sequence[int], num_stages: int) -> list[int]:
+    """Start index of every stage after the first: contiguous, non-empty stages whose largest
+    total cost is the smallest possible (ties: the earliest cuts)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest max cost of cutting units[:i] into k stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    cuts, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        cuts.append(i)
+    return sorted(cuts)[1:]

@@ -105,3 +105,12 @@ def split_model(
             )
         )
     return stages
+
+
+def compute_cost(module: nn.Module) -> int:
+    """A module's compute per token, estimated as one multiply-add per parameter outside
+    embeddings (a lookup costs nothing). What a balanced split balances."""
+    lookups = {
+        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    return sum(p.numel() for p in module.parameters() if id(p) not in lookups)

@@ -1,0 +1,1 @@
+"""The benchmark commands: ``bench emulator``, ``bench runtime`` and ``bench memory``."""

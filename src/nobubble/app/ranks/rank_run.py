@@ -1,0 +1,397 @@
+"""``RankRun``: one rank of ``nobubble train --runtime dist`` around ``Pipeline(runtime="dist")``:
+the run's config checked equal on every rank, drain-point validation through ``Pipeline.evaluate``,
+gathered metrics, checkpoint parts, the measured timeline, and the run's end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nobubble.api.pipeline import StepResult
+from nobubble.app.ranks.outputs import by_stage, lane, write_outputs
+from nobubble.app.train.assemble import load_data, make_model, make_pipeline, make_plan
+from nobubble.app.train.checkpoint import (
+    check_resumable,
+    check_work_left,
+    finalize,
+    load_part,
+    read_manifest,
+    save_part,
+    staging_dir,
+)
+from nobubble.app.train.config import TrainConfig
+from nobubble.app.train.metrics import MetricsWriter, rank_memory, truncate_metrics
+from nobubble.app.train.trainer import (
+    RunResult,
+    provenance,
+    resolve_run_dir,
+    validation_loss,
+)
+from nobubble.core.comm import check_communication
+from nobubble.core.host_memory import peak_rss_bytes, rss_bytes
+from nobubble.core.ir import Action
+from nobubble.core.sim.metrics import measured_utilization
+from nobubble.engine import Interpreter, misplaced
+from nobubble.runtime.distributed.clock import CudaClock, HostClock
+from nobubble.runtime.distributed.data_parallel import overlap
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @staticmethod
+    def from_environ() -> RankEnv:
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
+            raise ValueError(
+                "--runtime dist inside a launcher needs RANK and WORLD_SIZE in the "
+                "environment (torchrun sets them)"
+            ) from None
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return RankEnv(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+class RankFailure(RuntimeError):
+    """This rank could not continue; the message names rank, action and the resume point."""
+
+
+def _config_hash(cfg: TrainConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.fingerprint(), sort_keys=True).encode()).hexdigest()
+
+
+def _check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGroup | None) -> None:
+    """Every rank must run the same numbers: compare hashes, then name what differs."""
+    hashes: list[Any] = [None] * world_size
+    dist.all_gather_object(hashes, _config_hash(cfg), group=group)
+    differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    if not differ:
+        return
+    reference: list[Any] = [cfg.fingerprint()]
+    dist.broadcast_object_list(reference, src=0, group=group)
+    fields = sorted(k for k, v in cfg.fingerprint().items() if reference[0].get(k) != v)
+    mine = ", ".join(f"{k}={getattr(cfg, k)!r} (rank 0: {reference[0].get(k)!r})" for k in fields)
+    raise ValueError(
+        f"ranks {differ} run a different configuration than rank 0 (config hash "
+        f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "
+        "same flags"
+    )
+
+
+class RankRun:
+    def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
+        self.cfg, self.env, self.device = cfg, env, device
+        P = self.num_ranks = cfg.stages  # pipeline ranks per replica
+        # rank: the global rank; pp and dp: its coordinates on the (dp, pp) mesh
+        self.rank, self.pp, self.dp = env.rank, env.rank % P, env.rank // P
+        # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
+        self.objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        _check_same_config(cfg, env.world_size, self.objects)
+        run_dir: list[Any] = [str(resolve_run_dir(cfg)) if self.rank == 0 else None]
+        dist.broadcast_object_list(run_dir, src=0, group=self.objects)  # one directory for all
+        self.run_dir = Path(run_dir[0])
+        self.start_step, manifest = 0, None
+        if cfg.resume:
+            manifest = read_manifest(self.run_dir)
+            check_resumable(manifest, cfg, self.run_dir)
+            self.start_step = manifest["step"]
+            check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
+        if self.rank != 0:
+            self._barrier()  # rank 0 fills the data cache first (tokenizer training, encoding)
+        self.data = load_data(cfg)
+        if self.rank == 0:
+            self._barrier()
+        self.plan = make_plan(cfg, self.data.vocab_size)
+        placement = self.plan.schedule.placement
+        self.local = placement.stages_of(self.pp)  # one stage, or v (interleaved, V)
+        # the rank of the last stage holds the loss; replica 0's writes the metrics (pipeline
+        # rank 0 in a V); replica 0's global ranks are its pipeline ranks
+        self.last = placement.rank_of(cfg.model_stages - 1)
+        self.rss_before_model = rss_bytes()
+        # this rank's stages only: the others stay on the meta device (docs/runtime.md)
+        stages = make_model(self.plan, self.local, self.device).stages
+        self.peak_after_model = peak_rss_bytes()
+        self.pipe = make_pipeline(self.plan, stages, runtime="dist")
+        assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
+        # What every rank will post is checked to complete under NCCL's rules before any step.
+        check_communication(
+            self.plan.schedule,
+            self.pipe.meets,
+            self.plan.drain_points,
+            data_parallel=cfg.data_parallel > 1 and cfg.shard == "none",
+        )
+        if manifest is not None:
+            parts = [load_part(self.run_dir, manifest, s, self.device) for s in self.local]
+            self.pipe.load_stage_parts(self.start_step, parts)
+            for worker in self.pipe.workers:
+                wrong = misplaced(worker.state_dict(), self.device)
+                assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
+        self.workers = self.pipe.workers
+        self.worker = self.workers[0]
+        # spans from CUDA events on a GPU (the host clock would time the kernel launches), else
+        # the wall clock, comparable across the processes of one machine
+        self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
+        self.pipe.runner_options = {"record": True, "clock": self.clock, "strict": cfg.strict_p2p}
+        self.pipe.on_step = self._on_step
+        self.bar: Any = None
+        self.losses: dict[int, float] = {}  # micro-batch -> loss (last rank)
+        self.grad_norms: dict[int, list[float]] = {}  # step -> norm of each local stage
+        self.step_times: dict[int, float] = {}
+        self.records: list[dict[str, Any]] = []
+        self.segment_start = 0  # spans since the last drain point
+        # What the ranks meet for at a drain point (None while executing the schedule): a
+        # failure there names the meeting and the ranks it waits for, not the last action.
+        self.meeting: tuple[str, list[int]] | None = None
+
+    # ----- the pipeline's runner: its transport, interpreter and position ------------------------
+    @property
+    def runner(self) -> Any:
+        return self.pipe.emulator
+
+    @property
+    def transport(self) -> Any:
+        return self.runner.transport
+
+    @property
+    def interpreter(self) -> Interpreter:
+        return self.runner.interpreter
+
+    @property
+    def current(self) -> Action | None:
+        return self.runner.current
+
+    @property
+    def position(self) -> int:
+        return int(self.runner.pointer[self.pp])
+
+    # ----- the loop ------------------------------------------------------------------------------
+    def run(self) -> RunResult | None:
+        from tqdm import tqdm
+
+        writer = self._open_run_dir()
+        show = self.rank == self.last and self.cfg.progress
+        self.bar = bar = tqdm(
+            total=self.cfg.steps,
+            initial=self.start_step,
+            desc=f"{self.cfg.schedule} (dist, {self.env.world_size} ranks)",
+            unit="step",
+            disable=not show,
+            leave=False,
+        )
+        start_time: list[Any] = [time.time()]
+        dist.broadcast_object_list(start_time, src=0, group=self.objects)
+        self.t0 = float(start_time[0]) - self._resumed_elapsed()
+        # validations and checkpoints so far: off the training clock (train_s = elapsed - paused)
+        self.paused_s = self._resumed_elapsed() - self._resumed_train()
+        stop = self.cfg.stop_at or self.cfg.steps
+        try:
+            done = self.start_step
+            for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
+                self._run_until(done, point)
+                self._drain_point(point, writer)
+                done = point
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        return self._finish()
+
+    def _run_until(self, done: int, step: int) -> None:
+        """Feed batches ``done`` .. ``step - 1`` and drain after step ``step``."""
+        m = self.plan.schedule.num_microbatches
+        b, d = self.cfg.micro_batch_size, self.cfg.data_parallel
+        for j in range(done, step):
+            # replica r's micro-batch i: the r-th slice of global micro-batch i (D·b sequences)
+            pieces = [
+                tuple(
+                    t[self.dp * b : (self.dp + 1) * b] for t in self.data.train_microbatch(i, b * d)
+                )
+                for i in range(j * m, (j + 1) * m)
+            ]
+            x, y = torch.cat([a for a, _ in pieces]), torch.cat([b for _, b in pieces])
+            self._collect(self.pipe.step(x, y))
+        self._collect(self.pipe.drain())  # runs through this rank's STEP `step`, sends done
+        self.clock.settle(self.interpreter)  # a GPU's spans become seconds here
+
+    def _on_step(self, number: int) -> None:
+        if number not in self.step_times:  # a rank with several stages takes a STEP for each
+            self.bar.update(1)
+        self.step_times[number] = time.time()
+
+    def _collect(self, result: StepResult) -> None:
+        self.losses.update({item.microbatch: item.value for item in result.losses})
+        self.grad_norms.update(result.grad_norms)
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.objects)
+
+    # ----- drain points --------------------------------------------------------------------------
+    def _drain_point(self, step: int, writer: MetricsWriter | None) -> None:
+        """Validation, gathered metrics and checkpoint. Their time is off the training clock:
+        from the moment the last rank finished the drain's actions to the end here."""
+        entered = time.time()
+        P = self.num_ranks
+        base = self.dp * P  # this replica's first global rank
+        neighbours = [base + r for r in (self.pp - 1, self.pp + 1) if 0 <= r < P]
+        self.meeting = f"running the pipelined validation after step {step}", neighbours
+        val_loss = validation_loss(self.pipe, self.cfg, self.data)
+        segment = self.interpreter.spans[self.segment_start :]
+        self.segment_start = len(self.interpreter.spans)
+        mine = {
+            "stages": self.local,
+            "grad_norms": self.grad_norms,
+            "times": self.step_times,
+            "spans": [(str(a), s, e) for a, s, e in segment],
+            "losses": self.losses,  # the last stage's, of this replica's micro-batches
+            "entered": entered,
+        }
+        self.losses = {}
+        gathered: list[Any] = [None] * self.env.world_size
+        others = [r for r in range(self.env.world_size) if r != self.rank]
+        self.meeting = f"gathering the metrics of step {step}", others
+        dist.all_gather_object(gathered, mine, group=self.objects)
+        if self.rank == self.last:
+            self._write_records(step, gathered, val_loss, writer)
+        self.grad_norms, self.step_times = {}, {}
+        every = self.cfg.checkpoint_every
+        if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
+            self.meeting = f"writing the checkpoint of step {step}", others
+            # one part per stage, written by dp 0; a sharded stage's part is gathered from its
+            # dp group first (whole tensors, the replicated format), so every replica takes part
+            if self.dp == 0 or self.cfg.shard != "none":
+                for worker in self.workers:
+                    part = worker.state_dict(copy=False)  # written at once: no copy
+                    if self.dp == 0:
+                        save_part(
+                            staging_dir(self.run_dir, step),
+                            worker.stage,
+                            part,
+                            self.cfg.model_stages,
+                        )
+            self._barrier()  # every part is on disk before the manifest marks it complete
+            if self.rank == self.last:
+                finalize(
+                    self.run_dir,
+                    step,
+                    self.cfg.model_stages,
+                    self.cfg.fingerprint(),
+                    {
+                        "elapsed_s": self.records[-1]["elapsed_s"],
+                        "train_s": self.records[-1]["train_s"],
+                    },
+                )
+            self._barrier()
+            self.last_checkpoint = step
+        self.meeting = None
+        if self.rank == self.last:  # the records' writer keeps the clock
+            self.paused_s += time.time() - max(g["entered"] for g in gathered)
+
+    def _write_records(
+        self,
+        step: int,
+        gathered: list[dict[str, Any]],
+        val_loss: float | None,
+        writer: MetricsWriter | None,
+    ) -> None:
+        m, P, D = self.plan.schedule.num_microbatches, self.num_ranks, self.cfg.data_parallel
+        done = sorted(gathered[self.last]["times"])
+        for j in done:
+            # a micro-batch's loss: the mean of its D slices' (equal-size means), replica order
+            losses = [
+                sum(g["losses"].pop(i) for g in gathered[self.last :: P]) / D
+                for i in range((j - 1) * m, j * m)
+            ]
+            record = {
+                "step": j,
+                "loss": sum(losses) / len(losses),
+                "lr": self.worker.lr_of(j),
+                "tokens": j * self.cfg.tokens_per_step,
+                "elapsed_s": max(g["times"][j] for g in gathered) - self.t0,
+                "train_s": max(g["times"][j] for g in gathered) - self.t0 - self.paused_s,
+                "grad_norm": by_stage(gathered[:P], [g["grad_norms"][j] for g in gathered[:P]]),
+            }
+            if j == step:  # the drain point: validation and the segment's measured timeline
+                record["val_loss"] = val_loss
+                util = measured_utilization([lane(g["spans"]) for g in gathered])
+                record.update(utilization=util["utilization"], bubble_share=util["bubble_share"])
+            self.records.append(record)
+            if writer is not None:
+                writer.write(record)
+
+    # ----- run directory -------------------------------------------------------------------------
+    def _open_run_dir(self) -> MetricsWriter | None:
+        if self.rank != self.last:
+            self._barrier()
+            return None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.cfg.resume:
+            payload = {
+                "config": self.cfg.to_json(),
+                "provenance": provenance(),
+                "resolved": {
+                    "world_size": self.env.world_size,
+                    "backend": dist.get_backend(),
+                    "device": str(self.device),
+                    "tokens_per_step": self.cfg.tokens_per_step,
+                    "drain_points": self.plan.drain_points,
+                },
+            }
+            (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
+        else:
+            truncate_metrics(self.run_dir, self.start_step)
+        writer = MetricsWriter(self.run_dir)
+        self._barrier()
+        return writer
+
+    def _resumed_elapsed(self) -> float:
+        if not self.start_step:
+            return 0.0
+        return float(read_manifest(self.run_dir).get("elapsed_s", 0.0))
+
+    def _resumed_train(self) -> float:
+        """The training clock at the checkpoint (the wall clock, for a checkpoint without it)."""
+        if not self.start_step:
+            return 0.0
+        manifest = read_manifest(self.run_dir)
+        return float(manifest.get("train_s", manifest.get("elapsed_s", 0.0)))
+
+    def _finish(self) -> RunResult | None:
+        mine = {
+            "stages": self.local,
+            "spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
+            "comm": [(k, str(a), s, e) for k, a, s, e in self.interpreter.comm],
+            "peaks": [
+                (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live) for w in self.workers
+            ],
+            "state": self._sample_state(),
+            "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
+            "memory": {
+                "rank": self.rank,
+                **rank_memory(self.workers, self.rss_before_model, self.peak_after_model),
+            },
+        }
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, mine, group=self.objects)
+        if self.rank != self.last:
+            return None
+        return write_outputs(self, gathered)
+
+    def _sample_state(self) -> dict[str, torch.Tensor]:
+        """The weights the last rank samples text from: replica 0's stages, whole (a sharded
+        stage gathers them from its dp group, so every replica takes part)."""
+        if not self.cfg.sample_tokens or (self.dp and self.cfg.shard == "none"):
+            return {}
+        state = {k: v.cpu() for w in self.workers for k, v in w.module_state().items()}
+        return state if self.dp == 0 else {}

@@ -1,0 +1,381 @@
+"""``TrainConfig``: everything a training run needs, validated on construction.
+
+Flat on purpose: one field per command-line flag (``--ef-lambda`` is ``ef_lambda``), so a config
+file (JSON or TOML with the same keys) and the flags are the same thing. The component configs
+(``OptimConfig``, ``DataConfig``, the model preset) are derived from it and validate their own
+parts; everything that can be checked without data is checked here, before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from nobubble.app.train.config_fields import (
+    TrainFields,
+    check_choice,
+    check_finite_nonnegative,
+    check_port,
+    check_positive,
+)
+from nobubble.core.schedules import (
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    check_trainable,
+    resolve_virtual_stages,
+)
+from nobubble.core.util import physical_memory_bytes
+from nobubble.model import MODEL_PRESETS, model_config
+from nobubble.model.hf import check_installed, config_layers
+from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
+from nobubble.optim import CORRECTIONS, OPTIMIZERS
+from nobubble.optim.config import SHARDED_OPTIMIZERS
+
+DTYPES = ("fp32", "bf16")
+CLIP_SCOPES = ("auto", "stage", "global")
+RUNTIMES = ("emulate", "dist")
+# Share of the machine's memory a run may plan to fill; the rest is for the OS, other programs and
+# what the estimate leaves out (the allocator's slack, transient copies while the model is built).
+MEMORY_SHARE = 0.8
+# One Python process with torch imported and the tokens loaded: 0.2 GiB right after `import
+# torch`; the estimate plus this matched the peak RSS of short runs of tiny, small and medium.
+PROCESS_BYTES = 2**29
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+SHARDS = ("none", "fsdp")  # within a stage: replicated, or FSDP2 over its dp group
+# Fields that change the numbers of a run; a checkpoint only resumes a run that agrees on them.
+RUNTIME_ONLY = (
+    "out",
+    "resume",
+    "runtime",
+    "progress",
+    "sample_tokens",
+    "dist_timeout",
+    "threads",
+    "stop_at",
+    "master_port",
+    "device",
+    "backend",
+    "strict_p2p",
+    "data_parallel",  # the fingerprint holds the global micro-batch instead (resume at any D)
+    "bucket_mb",
+    "shard",  # a sharded stage's checkpoint is gathered: the replicated format
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig(TrainFields):
+    """One training run. Every field is a ``nobubble train`` flag of the same name.
+
+    schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion, or
+        soap | adan | mars | normuon with the optim extra.
+    correction: none | ef (update-level error feedback, ``ef_lambda``) | sync-warmup
+        (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
+    stages: pipeline ranks P (the stages too, but for interleaved-1f1b and zbv).
+    virtual_stages: interleaved-1f1b's stages per rank v (default 2); the model is cut into
+        v·P stages (zbv: 2P). microbatches: M per step. accum: ``a`` of pipedream/paci.
+    micro_batch_size: sequences per micro-batch. steps: optimizer steps. lr: peak learning rate.
+    clip: gradient-norm clip (0 disables). clip_scope: auto (global for synchronous schedules,
+        per stage for asynchronous ones, which must not synchronize stages) | stage | global.
+    eval_every: validation every K steps; asynchronous schedules drain there (design.md sec. 5).
+    checkpoint_every: checkpoint every K steps (a multiple of eval_every); 0 = only at the end.
+    dtype: fp32 | bf16 (autocast, fp32 master weights). paci_recompute: recompute the stage
+        forward at backward time instead of keeping the forward's graph.
+    threads: torch intra-op threads per process (0: torch's default; the multi-process runtime
+        defaults to cores / stages, since OpenMP threads that outnumber cores spin and stall).
+    stop_at: stop after the checkpoint of this step (a planned interruption; --resume continues).
+    dist_timeout: seconds a rank waits for a peer before it gives up: a hung rank is caught
+        that way, and every process is gone within it + 6 s. master_port: rendezvous port
+        (0: a free one).
+    device: auto (cuda when available, else cpu) | cpu | cuda: where each rank's stage runs.
+    backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl (gloo on cuda: ranks share GPUs,
+        every transfer through host memory; a debugging mode, docs/runtime.md).
+    strict_p2p: run point-to-point under NCCL's completion rules on any backend (one stream per
+        rank; a testing aid that makes an order NCCL would deadlock on hang on gloo too).
+    data_parallel: D pipeline replicas (--runtime dist): P·D processes; each stage averages its
+        gradients over its D replicas before every step. ``micro_batch_size`` is per replica:
+        the run reads global micro-batches of D·micro_batch_size sequences, replica r the r-th
+        slice of each. bucket_mb: the all-reduce's bucket size. shard: none | fsdp (each
+        stage's parameters, gradients and optimizer state sharded across its D replicas with
+        FSDP2; needs data_parallel >= 2 and adamw, nadam, lion or muon).
+    model: a preset (tiny, mini, ...) or hf:PATH, a Hugging Face model folder or config.json
+        (Llama family or GPT-2; a config alone gets a random init from --seed).
+    untie_embeddings: a Hugging Face model with tied embeddings trains its head as a separate
+        parameter (needed by asynchronous schedules over several stages).
+    """
+
+    def __post_init__(self) -> None:
+        check_choice("schedule", self.schedule, SCHEDULE_NAMES)
+        check_choice("runtime", self.runtime, RUNTIMES)
+        check_trainable(self.schedule, runtime=self.runtime)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("correction", self.correction, CORRECTIONS)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("clip-scope", self.clip_scope, CLIP_SCOPES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("backend", self.backend, BACKENDS)
+        if not self.is_hf:
+            if self.model.startswith("hf"):
+                raise ValueError(f"--model {self.model!r}: write hf:PATH (a folder or config.json)")
+            check_choice("model", self.model, tuple(MODEL_PRESETS))
+        for name in (
+            "stages",
+            "microbatches",
+            "micro_batch_size",
+            "steps",
+            "eval_every",
+            "eval_batches",
+            "seq_len",
+            "data_parallel",
+        ):
+            check_positive(name, getattr(self, name))
+        for name in (
+            "sync_warmup",
+            "delay_lr_steps",
+            "checkpoint_every",
+            "seed",
+            "sample_tokens",
+            "threads",
+            "stop_at",
+        ):
+            check_positive(name, getattr(self, name), minimum=0)
+        if self.accum is not None:
+            check_positive("accum", self.accum)
+        resolve_virtual_stages(self.schedule, self.virtual_stages)  # a v that does not apply
+        for name in ("clip", "ef_lambda", "dist_timeout"):
+            check_finite_nonnegative(name, getattr(self, name))
+        check_port(self.master_port)
+        self._check_combinations()
+        self.optim_config()  # validates lr, weight decay, warmup, ...
+        self.data_config()
+        self._check_memory()
+
+    def _check_combinations(self) -> None:
+        info = SCHEDULES[self.schedule]
+        if self.is_hf:
+            check_installed()
+            n_layers = config_layers(self.hf_config())
+        else:
+            n_layers = MODEL_PRESETS[self.model].n_layers
+            if self.untie_embeddings:
+                raise ValueError(
+                    "--untie-embeddings applies to Hugging Face models (--model hf:PATH); "
+                    f"{self.model} has an untied head already"
+                )
+        if self.model_stages > n_layers:
+            per_rank = self.model_stages // self.stages
+            cut = (
+                f" cuts the model into {self.model_stages} stages ({per_rank} per rank under "
+                f"{self.schedule}), which"
+                if per_rank > 1
+                else ""
+            )
+            raise ValueError(
+                f"--stages {self.stages}{cut} is more than the {n_layers} layers of model "
+                f"{self.model!r}: use --stages {max(1, n_layers // per_rank)} or fewer, or a "
+                "deeper --model"
+            )
+        if info.check is not None:  # the schedule's own preconditions on (P, M, v)
+            info.check(self.stages, self.num_microbatches, self.model_stages // self.stages)
+        if self.accum is not None and not info.uses_accum:
+            raise ValueError(
+                f"--accum applies to pipedream and paci, not {self.schedule}; use --microbatches"
+            )
+        if self.schedule == "2bw" and self.num_microbatches < self.stages - 1:
+            raise ValueError(
+                f"2bw needs --microbatches >= stages-1 = {self.stages - 1}, got "
+                f"{self.num_microbatches}"
+            )
+        if self.correction != "none" and info.synchronous:
+            raise ValueError(
+                f"--correction {self.correction} corrects asynchronous schedules; "
+                f"{self.schedule} is synchronous: use --correction none"
+            )
+        if self.clip_scope == "global" and not info.synchronous:
+            raise ValueError(
+                f"--clip-scope global would synchronize the stages of the "
+                f"asynchronous {self.schedule}: use --clip-scope stage or auto"
+            )
+        if self.checkpoint_every % self.eval_every:
+            raise ValueError(
+                f"--checkpoint-every {self.checkpoint_every} must be a multiple of "
+                f"--eval-every {self.eval_every} (checkpoints need drain points)"
+            )
+        if self.runtime == "emulate" and (
+            self.device == "cuda" or self.backend != "auto" or self.strict_p2p
+        ):
+            raise ValueError(
+                "--device cuda, --backend and --strict-p2p apply to --runtime dist; the "
+                "emulator runs every stage in one process on the CPU: use --runtime dist"
+            )
+        if self.data_parallel > 1 and self.runtime != "dist":
+            raise ValueError(
+                f"--data-parallel {self.data_parallel} needs --runtime dist (one process per "
+                "stage and replica); the emulator runs one replica: give it --micro-batch-size "
+                f"{self.data_parallel * self.micro_batch_size} (D × b) for the same numbers"
+            )
+        if self.data_parallel > 1 and self.model_stages != self.stages:
+            raise ValueError(
+                f"--data-parallel {self.data_parallel} with --schedule {self.schedule} "
+                f"({self.model_stages // self.stages} stages per rank): data parallelism runs "
+                "one stage per rank for now; use 1f1b, zb-h1, gpipe, 2bw, pipedream or paci"
+            )
+        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"--bucket-mb {self.bucket_mb!r}: use a bucket size in MB > 0")
+        check_choice("shard", self.shard, SHARDS)
+        if self.shard == "fsdp" and self.data_parallel < 2:
+            raise ValueError(
+                "--shard fsdp shards each stage across its data-parallel replicas: give it "
+                "--data-parallel 2 or more (with --runtime dist), or drop --shard"
+            )
+        if self.shard == "fsdp" and self.correction == "predict":
+            raise ValueError(
+                "--shard fsdp with --correction predict: a prediction is a whole-stage weight "
+                "copy, which the sharded versions do not keep; use --correction ef or delay-lr, "
+                "or drop --shard"
+            )
+        if self.shard == "fsdp" and self.optimizer not in SHARDED_OPTIMIZERS:
+            raise ValueError(
+                f"--shard fsdp with --optimizer {self.optimizer}: its update reads whole "
+                f"matrices and has not been written for sharded parameters; use one of "
+                f"{', '.join(SHARDED_OPTIMIZERS)}, or drop --shard"
+            )
+        if self.paci_recompute and self.schedule != "paci":
+            raise ValueError("--paci-recompute applies to --schedule paci only")
+        every = self.checkpoint_every
+        if self.stop_at and not (self.stop_at < self.steps and every and self.stop_at % every == 0):
+            raise ValueError(
+                f"--stop-at {self.stop_at} must be a checkpoint step below --steps "
+                f"{self.steps} (a multiple of --checkpoint-every)"
+            )
+        if self.sync_warmup >= self.steps:
+            raise ValueError(f"--sync-warmup {self.sync_warmup} must be below --steps {self.steps}")
+        if self.delay_lr_steps and self.correction != "delay-lr":
+            raise ValueError(
+                f"--delay-lr-steps {self.delay_lr_steps} applies to --correction delay-lr only, "
+                f"not {self.correction}: drop it or use --correction delay-lr"
+            )
+
+    def _check_memory(self) -> None:
+        """Refuse a run whose estimated peak memory exceeds MEMORY_SHARE of this machine's."""
+        total = physical_memory_bytes()
+        if total is None or not self._in_host_memory() or self.is_hf:
+            return  # a Hugging Face model's size is not estimated yet
+        available = MEMORY_SHARE * total
+        need = self.memory_bytes()
+        if need <= available:
+            return
+        seq_len = _largest(lambda t: self.memory_bytes(seq_len=t) <= available, self.seq_len - 1)
+        batch = _largest(
+            lambda b: self.memory_bytes(micro_batch_size=b) <= available, self.micro_batch_size - 1
+        )
+        fixes = [f"--seq-len {seq_len} or less"] if seq_len else []
+        fixes += [f"--micro-batch-size {batch} or less"] if batch else []
+        inflight = max(load.inflight for load in self.stage_loads())
+        raise ValueError(
+            f"--seq-len {self.seq_len} with --micro-batch-size {self.micro_batch_size} needs "
+            f"about {_gib(need)} of memory on this machine (model {self.model}, {self.stages} "
+            f"stages, up to {inflight} micro-batches in flight on a stage: saved activations, "
+            f"weights, gradients and optimizer state), more than the {_gib(available)} available "
+            f"({MEMORY_SHARE:.0%} of {_gib(total)}): use "
+            + (", or ".join(fixes) or "a smaller --model (the weights and state alone do not fit)")
+        )
+
+    def _in_host_memory(self) -> bool:
+        """The emulator and CPU ranks keep everything in this machine's memory. CUDA ranks are
+        not checked: asking a GPU for its memory would initialize CUDA in this process."""
+        if self.runtime == "emulate" or self.device == "cpu":
+            return True
+        if self.device == "cuda":
+            return False
+        import torch
+
+        return not torch.cuda.is_available()
+
+    def stage_loads(self, seq_len: int | None = None) -> list[StageLoad]:
+        """Layers, parameters, micro-batches in flight and weight versions of each stage."""
+        seq_len = seq_len or self.seq_len
+        model = model_config(self.model, self.model_vocab_size, seq_len)
+        return stage_loads(
+            model,
+            self.schedule,
+            self.stages,
+            self.num_microbatches,
+            self.steps,
+            seq_len,
+            self.model_stages // self.stages,
+        )
+
+    def memory_bytes(self, seq_len: int | None = None, micro_batch_size: int | None = None) -> int:
+        """Estimated peak bytes of the stages that share one machine (model/memory.py)."""
+        seq_len = seq_len or self.seq_len
+        batch = micro_batch_size or self.micro_batch_size
+        model = model_config(self.model, self.model_vocab_size, seq_len)
+        per_stage = [
+            stage_bytes(model, load, batch, seq_len, self.dtype, self.paci_recompute)
+            for load in self.stage_loads(seq_len)
+        ]
+        if self.runtime == "emulate":  # one process; evaluation merges the stages into a model
+            return sum(per_stage) + PROCESS_BYTES + FP32 * model.num_params()
+        machine = self.stages_per_machine
+        return machine_bytes(per_stage, machine) + PROCESS_BYTES * machine
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The fields that fix the numbers (everything but where and how it runs). The
+        micro-batch is the global one: a run resumes at another D with the same global batch."""
+        values = {k: v for k, v in asdict(self).items() if k not in RUNTIME_ONLY}
+        values["micro_batch_size"] = self.global_micro_batch_size
+        return values
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_mapping(values: dict[str, Any], base: TrainConfig | None = None) -> TrainConfig:
+        known = {f.name for f in fields(TrainConfig)}
+        normalized = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(normalized) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown config keys {unknown}; valid keys: {', '.join(sorted(known))}"
+            )
+        return replace(base or TrainConfig(), **normalized)
+
+    @staticmethod
+    def load(path: str | Path) -> dict[str, Any]:
+        """Read a JSON or TOML config file into a mapping of field values."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        try:
+            if path.suffix == ".toml":
+                return tomllib.loads(path.read_text())
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+            raise ValueError(f"config file {str(path)!r} is not valid: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {str(path)!r} must hold an object of flag values")
+        return data
+
+
+def _largest(fits: Callable[[int], bool], upper: int) -> int:
+    """Largest v in 1..upper with fits(v), by bisection (fits holds up to some v, then not);
+    0 if none does."""
+    low, high = 0, upper
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"

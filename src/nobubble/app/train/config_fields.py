@@ -1,0 +1,192 @@
+"""The fields of a training run (``TrainFields``, the base of ``TrainConfig``, whose docstring
+documents them), what follows from the fields alone (the optimizer and data configs,
+micro-batches, tokens per step, stages, vocabulary), and the checks of one field."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nobubble.core.schedules import (
+    SCHEDULES,
+    resolve_microbatches,
+    resolve_virtual_stages,
+)
+from nobubble.data import DataConfig
+from nobubble.optim import OptimConfig
+
+GPT2_VOCAB_SIZE = 50257  # --tokenizer gpt2 fixes the vocabulary, whatever --vocab-size says
+
+
+@dataclass(frozen=True)
+class TrainFields:
+    """One field per ``nobubble train`` flag (``TrainConfig`` checks and documents them)."""
+
+    schedule: str = "paci"
+    optimizer: str = "adamw"
+    correction: str = "none"
+    ef_lambda: float = 1.0
+    delay_lr_steps: int = 0
+    sync_warmup: int = 0
+    stages: int = 2
+    virtual_stages: int | None = None
+    microbatches: int = 4
+    accum: int | None = None
+    micro_batch_size: int = 8
+    steps: int = 300
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_frac: float = 0.1
+    min_lr_ratio: float = 0.1
+    momentum: float = 0.95
+    clip: float = 1.0
+    clip_scope: str = "auto"
+    seed: int = 0
+    data: str = "shakespeare"
+    tokenizer: str = "bpe"
+    vocab_size: int = 4096
+    seq_len: int = 128
+    model: str = "tiny"
+    dtype: str = "fp32"
+    paci_recompute: bool = False
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    sample_tokens: int = 200
+    runtime: str = "emulate"
+    dist_timeout: float = 50.0
+    out: str | None = None
+    resume: str | None = None
+    progress: bool = True
+    threads: int = 0
+    stop_at: int = 0
+    master_port: int = 0
+    device: str = "auto"
+    backend: str = "auto"
+    strict_p2p: bool = False
+    untie_embeddings: bool = False
+    data_parallel: int = 1
+    bucket_mb: float = 25.0
+    shard: str = "none"
+
+    @property
+    def is_hf(self) -> bool:
+        return self.model.startswith("hf:")
+
+    def hf_config(self) -> dict[str, Any]:
+        from nobubble.model.hf import read_config
+
+        return read_config(self.model.removeprefix("hf:"))
+
+    # ----- derived ---------------------------------------------------------------------------
+    @property
+    def model_vocab_size(self) -> int:
+        """The model's vocabulary as far as the flags tell (a trained BPE may hold fewer)."""
+        return GPT2_VOCAB_SIZE if self.tokenizer == "gpt2" else self.vocab_size
+
+    @property
+    def stages_per_machine(self) -> int:
+        """All stages share the emulator's process and the launcher's machine; under torchrun
+        LOCAL_WORLD_SIZE ranks do."""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if self.runtime == "dist" and local.isdigit():
+            return max(1, min(int(local), self.stages))
+        return self.stages
+
+    @property
+    def model_stages(self) -> int:
+        """The stages the model is cut into: v·P, or P with one stage per rank."""
+        return self.stages * resolve_virtual_stages(self.schedule, self.virtual_stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        """M per optimizer step as the schedule reads it (``a`` for pipedream and paci)."""
+        return resolve_microbatches(self.schedule, self.microbatches, self.accum)
+
+    @property
+    def delay_lr_span(self) -> int | None:
+        """The steps over which --correction delay-lr's damping fades (0: a quarter of --steps)."""
+        if self.correction != "delay-lr":
+            return None
+        return self.delay_lr_steps or max(1, self.steps // 4)
+
+    @property
+    def sync_warmup_steps(self) -> int:
+        if self.correction != "sync-warmup":
+            return 0
+        return self.sync_warmup or max(1, self.steps // 10)
+
+    @property
+    def global_clip(self) -> bool:
+        if self.clip == 0:
+            return False
+        if self.clip_scope == "auto":
+            return SCHEDULES[self.schedule].synchronous
+        return self.clip_scope == "global"
+
+    @property
+    def global_micro_batch_size(self) -> int:
+        """Sequences per micro-batch over all replicas: what a run at D=1 would read."""
+        return self.micro_batch_size * self.data_parallel
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.num_microbatches * self.global_micro_batch_size * self.seq_len
+
+    def optim_config(self) -> OptimConfig:
+        return OptimConfig(
+            name=self.optimizer,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            warmup_frac=self.warmup_frac,
+            min_lr_ratio=self.min_lr_ratio,
+            clip_norm=self.clip if self.clip > 0 else None,
+        )
+
+    def data_config(self) -> DataConfig:
+        data = DataConfig(
+            source=self.data,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            seed=self.seed,
+        )
+        if data.source != "shakespeare" and not Path(data.source).exists():
+            raise ValueError(
+                f"--data {data.source!r} does not exist: give a text file, a "
+                "folder of .txt files, .bin shards, or 'shakespeare'"
+            )
+        return data
+
+
+def check_port(port: object) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(
+            f"--master-port {port!r} is not a TCP port: use 1..65535, or 0 to let nobubble "
+            "pick a free one"
+        )
+
+
+def check_choice(flag: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"--{flag} {value!r} is not known; valid values: {', '.join(allowed)}")
+
+
+def check_positive(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        flag = name.replace("_", "-")
+        raise ValueError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_finite_nonnegative(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        flag = name.replace("_", "-")
+        raise ValueError(f"--{flag} must be a finite number >= 0, got {value!r}")

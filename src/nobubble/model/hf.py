@@ -1,0 +1,223 @@
+"""Hugging Face causal language models as pipeline stages (the optional extra ``nobubble[hf]``).
+
+A stage holds its slice of the model's modules under their own names (``model.layers.4...``,
+``lm_head.weight``) and shares them with the model: no copy is made, and training the stages
+trains the model, which ``transformers`` can then save and reload as it is. Only the hidden
+states cross a stage boundary; each stage recomputes what is cheaper to recompute than to send:
+the positions, the rotary tables and the causal mask.
+
+Supported families: the Llama family (``LlamaForCausalLM`` and the configs that share its
+layout: Mistral, Qwen2, Qwen3; SmolLM2 is a Llama config) and GPT-2. The inputs are token ids
+(batch, seq) of packed sequences, with no padding mask, as in pretraining.
+
+Tied input and output embeddings (GPT-2, SmolLM2) are one parameter in the model. Split over
+several stages, the first stage owns the embedding and the last the head, so the head gets a
+copy that the last stage declares tied (``tied_parameters``): a synchronous pipeline adds both
+copies' gradients before every step, so they take the same step and stay bitwise equal, and
+``export`` ties them again. Asynchronous schedules refuse that (the copies would be updated at
+different times); ``untie=True`` (``--untie-embeddings``) makes them two parameters from then on,
+a different model that ``export`` writes with ``tie_word_embeddings`` false.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nobubble.core.errors import MissingExtra
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = (*LLAMA_LIKE, "gpt2")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def require_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise MissingExtra(
+            "Hugging Face models need the transformers package: pip install 'nobubble[hf]'"
+        ) from exc
+    return transformers
+
+
+def check_installed() -> None:
+    """Refuse early, without importing it, when transformers is missing."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("transformers") is not None
+    except (ValueError, ImportError):  # a module set to None in sys.modules, a broken install
+        found = False
+    if not found:
+        raise MissingExtra(
+            "Hugging Face models need the transformers package: pip install 'nobubble[hf]'"
+        )
+
+
+def is_hf_model(model: Any) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "model_type")
+
+
+def model_folder(path: str) -> Path:
+    p = Path(path)
+    if p.is_file() and p.name == "config.json":
+        return p.parent
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(
+                f"hf:{path} is a folder without a config.json: pass a model folder saved by "
+                "transformers (save_pretrained) or a config.json"
+            )
+        return p
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        raise FileNotFoundError(
+            f"hf:{path} looks like a hub id, and there is no local folder of that name; "
+            "nobubble does not download: fetch it first (huggingface-cli download "
+            f"{path} --local-dir DIR) and pass hf:DIR"
+        )
+    raise FileNotFoundError(f"hf:{path} does not exist: pass a model folder or a config.json")
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The config.json of the model at ``path``, read without transformers (for checks)."""
+    folder = model_folder(path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"hf:{path}: config.json is not valid JSON ({err})") from None
+    check_family(str(config.get("model_type")))
+    return config
+
+
+def config_layers(config: dict[str, Any]) -> int:
+    return int(config.get("num_hidden_layers", config.get("n_layer", 0)))
+
+
+def config_vocab(config: dict[str, Any]) -> int:
+    return int(config["vocab_size"])
+
+
+def load_model(path: str, seed: int = 0) -> Any:
+    """The causal LM at ``path`` (a local folder or its config.json), in fp32.
+
+    A folder with weights loads them; a config alone gets a random init from ``seed``.
+    Nothing is downloaded.
+    """
+    transformers = require_transformers()
+    folder = model_folder(path)
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    check_family(config.model_type)
+    if any((folder / name).is_file() for name in WEIGHT_FILES):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=torch.float32
+        )
+    else:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
+
+
+def meta_model(path: str) -> Any:
+    """The causal LM of ``path``'s config built on the meta device (fp32, no memory): split it,
+    then ``nobubble.materialize`` each process's stages (``weights_of(path)`` or a seed)."""
+    transformers = require_transformers()
+    config = transformers.AutoConfig.from_pretrained(model_folder(path), local_files_only=True)
+    check_family(config.model_type)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.train()
+
+
+def weights_of(path: str) -> Path | None:
+    """The folder of ``path``'s safetensors weights (one file or sharded with its index), or
+    None for a config alone. Weights only as pytorch_model.bin cannot be read a tensor at a
+    time: a ValueError says how to convert them."""
+    folder = model_folder(path)
+    if (folder / "model.safetensors").is_file() or (
+        folder / "model.safetensors.index.json"
+    ).is_file():
+        return folder
+    if any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(
+            f"hf:{path} holds its weights as pytorch_model.bin, which every process would "
+            "have to read whole: save it as safetensors first (AutoModelForCausalLM."
+            "from_pretrained(DIR).save_pretrained(DIR2)) and pass hf:DIR2"
+        )
+    return None
+
+
+def check_family(model_type: str) -> None:
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"Hugging Face model type {model_type!r} is not supported yet; supported: "
+            f"{', '.join(FAMILIES)}. Another model can pass its own list of stage modules to "
+            "nobubble.Pipeline"
+        )
+
+
+# ----- the layout of each family -----------------------------------------------------------
+def block_layout(model: Any) -> tuple[str, nn.ModuleList]:
+    """The prefix of the repeated blocks and the blocks."""
+    model_type = model.config.model_type
+    check_family(model_type)
+    if model_type == "gpt2":
+        return "transformer.h", model.transformer.h
+    return "model.layers", model.model.layers
+
+
+def tied_names(model: Any) -> tuple[str, str] | None:
+    """(embedding, head) parameter names when the model ties them (one parameter), else None."""
+    embed, head = _embedding(model), model.lm_head.weight
+    if embed.weight is not head:
+        return None
+    return embedding_names(model.config.model_type)
+
+
+def embedding_names(model_type: str) -> tuple[str, str]:
+    """The (input embedding, head) weight names of a family."""
+    prefix = "transformer.wte" if model_type == "gpt2" else "model.embed_tokens"
+    return f"{prefix}.weight", "lm_head.weight"
+
+
+def _embedding(model: Any) -> nn.Embedding:
+    return model.transformer.wte if model.config.model_type == "gpt2" else model.model.embed_tokens
+
+
+def untie_embeddings(model: Any) -> None:
+    """Give the head its own copy of the tied weights; the config says so from now on."""
+    if tied_names(model) is None:
+        return
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
+def export(model: Any, out: str | Path) -> Path:
+    """Write ``model`` as a transformers folder (``from_pretrained(out)`` loads it).
+
+    A model whose config ties the embeddings and whose head was a separate copy during
+    pipelined training is tied again first; the two copies must be bitwise equal.
+    """
+    out = Path(out)
+    embed = _embedding(model)
+    if model.config.tie_word_embeddings and model.lm_head.weight is not embed.weight:
+        if not torch.equal(model.lm_head.weight, embed.weight):
+            raise ValueError(
+                "the config ties lm_head.weight to the input embedding, but the two copies "
+                "differ: they were trained apart (untie=True sets tie_word_embeddings false)"
+            )
+        model.lm_head.weight = embed.weight
+    model.save_pretrained(out, safe_serialization=True)
+    meta = {"written_by": "nobubble", "tie_word_embeddings": bool(model.config.tie_word_embeddings)}
+    (out / "nobubble.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return out

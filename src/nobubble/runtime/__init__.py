@@ -1,0 +1,1 @@
+"""The runtimes that drive the engine: the in-process emulator and torch.distributed."""
