@@ -51,19 +51,54 @@ class WorkerBackward(WorkerForward):
             weights, outputs, grad_outputs = self._graph(m, saved, grad_out)
             leaves = list(weights.values())
             input_leaves = [] if self.is_first else differentiable(saved.inputs)
-            with self._reducing(m, leaves) as done:
-                grads = torch.autograd.grad(
-                    outputs,
-                    input_leaves + leaves,
-                    grad_outputs=grad_outputs,
-                    materialize_grads=True,  # an input or weight the outputs do not use: zeros
-                )
-        grads_in = list(grads[: len(input_leaves)])
-        held = [*(grad_outputs or []), *grads_in]
-        self._accumulate(m, grads[len(input_leaves) :], held, done)
+            if self.reducer is None and self.sharded is None:
+                grads_in = self._backward_into_grad(outputs, grad_outputs, input_leaves, leaves)
+            else:
+                with self._reducing(m, leaves) as done:
+                    grads = torch.autograd.grad(
+                        outputs,
+                        input_leaves + leaves,
+                        grad_outputs=grad_outputs,
+                        materialize_grads=True,  # an input or weight the outputs do not use: 0
+                    )
+                grads_in = list(grads[: len(input_leaves)])
+                held = [*(grad_outputs or []), *grads_in]
+                self._accumulate(m, grads[len(input_leaves) :], held, done)
         self._backward_done(m)
         self.backwards_in_batch += 1
         return pack_grads(grads_in) if grads_in else None
+
+    def _backward_into_grad(
+        self,
+        outputs: list[torch.Tensor],
+        grad_outputs: list[torch.Tensor] | None,
+        input_leaves: list[torch.Tensor],
+        leaves: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """The fused backward of a stage without dp or sharding: autograd adds each weight's
+        gradient into the master's ``.grad`` as soon as it is computed (in place, as
+        ``loss.backward()`` does), so a stage never holds a micro-batch's gradients beside the
+        accumulated ones; a delayed version's leaves get the master's ``.grad`` lent for the
+        call. Returns the input gradients; an input or weight the outputs do not use: zeros."""
+        params = [p for _, p in self.named]
+        lent = [leaf is not p for leaf, p in zip(leaves, params, strict=True)]
+        for leaf, p, borrow in zip(leaves, params, lent, strict=True):
+            if borrow:
+                leaf.grad = p.grad
+        for leaf in input_leaves:
+            leaf.grad = None
+        torch.autograd.backward(outputs, grad_tensors=grad_outputs, inputs=input_leaves + leaves)
+        with torch.no_grad():
+            for leaf, p, borrow in zip(leaves, params, lent, strict=True):
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(p)
+                if borrow:
+                    leaf.grad = None
+                p.grad = grad
+        grads_in = []
+        for leaf in input_leaves:
+            grads_in.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+            leaf.grad = None
+        return grads_in
 
     def backward_input(self, m: int, grad_out: Tree | None) -> Tree | None:
         """I, the first half of a split backward: the gradient for the previous stage (None
