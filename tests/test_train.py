@@ -219,6 +219,26 @@ def test_sync_warmup_is_synchronous_then_delayed(corpus, tmp_path):
     assert ledger["summary"][0]["max_delay"] == 1
 
 
+def test_a_checkpoint_from_before_a_setting_existed_resumes_at_its_default(
+    corpus, tmp_path, capsys
+):
+    """A run written before ``fused_adamw`` existed ran at its default: it resumes, and only
+    resuming it with the setting changed is refused, by name."""
+    out = tmp_path / "run"
+    Trainer(small(corpus, out, stop_at=4, sample_tokens=0)).run()
+    for name, path in (("manifest", ["fingerprint"]), ("config", ["config"])):
+        file = out / "checkpoint" / "manifest.json" if name == "manifest" else out / "config.json"
+        record = json.loads(file.read_text())
+        del record[path[0]]["fused_adamw"]
+        file.write_text(json.dumps(record))
+    before = (out / "metrics.jsonl").read_bytes()
+    assert main(["train", "--resume", str(out), "--fused-adamw", "true", "--no-progress"]) == 2
+    assert "fused_adamw: checkpoint False vs now True" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+
+
 def test_a_run_stopped_with_stop_at_resumes_to_its_end_from_the_command_line(
     corpus, tmp_path, capsys
 ):

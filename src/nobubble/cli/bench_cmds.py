@@ -144,6 +144,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         data=args.data,
         allocator=args.allocator,
+        fused_adamw=args.fused_adamw,
     )
 
     def progress(text: str) -> None:
@@ -319,6 +320,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["as-shipped", "release"],
         help="glibc malloc in the ranks: as shipped (freed memory kept for reuse), or every "
         "freed block of 64 KiB or more given back at once (the peak follows the memory in use)",
+    )
+    q.add_argument(
+        "--fused-adamw",
+        action="store_true",
+        help="train with AdamW's fused step (no per-tensor scratch; nobubble train --fused-adamw)",
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_memory)

@@ -10,7 +10,7 @@ from nobubble.optim.clip import (
     scale_grads_,
     sum_over_stages,
 )
-from nobubble.optim.config import DEFAULT_BETAS, OPTIMIZERS, OptimConfig
+from nobubble.optim.config import DEFAULT_BETAS, FUSED_ADAMW_OPTIMIZERS, OPTIMIZERS, OptimConfig
 from nobubble.optim.correction import (
     CORRECTIONS,
     DelayAwareLR,
@@ -33,6 +33,7 @@ from nobubble.optim.routing import (
 __all__ = [
     "CORRECTIONS",
     "DEFAULT_BETAS",
+    "FUSED_ADAMW_OPTIMIZERS",
     "OPTIMIZERS",
     "DelayAwareLR",
     "DelayCorrection",

@@ -115,6 +115,8 @@ def _adam_side(cfg: OptimConfig, groups: list[dict[str, Any]]) -> torch.optim.Op
         )
     if cfg.name == "lion":
         return Lion(groups, lr=cfg.lr, betas=betas)
+    if cfg.fused_adamw:  # one pass over every tensor, no per-tensor scratch (config.py)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=True)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
 
 

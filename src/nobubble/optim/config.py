@@ -17,6 +17,9 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "nadam", "lion", *LIBRARY_OPTIMI
 # ones run on each shard as on the whole tensor, Muon's Newton-Schulz on the gathered matrix
 SHARDED_OPTIMIZERS: tuple[str, ...] = ("adamw", "nadam", "lion", "muon")
 
+# the optimizers that run torch's AdamW (alone, or on Muon's side), which ``fused_adamw`` fuses
+FUSED_ADAMW_OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "normuon")
+
 # Betas used when `OptimConfig.betas` is None. Lion's own paper (arXiv 2302.06675) recommends
 # (0.9, 0.99); the Adam family uses the LM-pretraining default (0.9, 0.95).
 DEFAULT_BETAS: dict[str, tuple[float, float]] = {
@@ -68,6 +71,11 @@ class OptimConfig:
         warmup_frac: fraction of the run spent in linear warmup, in [0, 1).
         min_lr_ratio: the cosine decays to min_lr_ratio * lr at the last step, in [0, 1].
         clip_norm: max gradient norm, or None for no clipping.
+        fused_adamw: run AdamW (adamw, and the AdamW side of muon and normuon) through torch's
+            fused kernel (``torch.optim.AdamW(fused=True)``), which updates every tensor in one
+            pass without temporaries: the default per-tensor step holds two scratch tensors the
+            size of the tensor it updates. Its results differ from the default's in the last
+            bits, so a run keeps the choice it started with.
     """
 
     name: str = "adamw"
@@ -81,6 +89,7 @@ class OptimConfig:
     warmup_frac: float = 0.1
     min_lr_ratio: float = 0.1
     clip_norm: float | None = 1.0
+    fused_adamw: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -113,6 +122,13 @@ class OptimConfig:
         _check_real("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0, open_low=False)
         if self.clip_norm is not None:
             _check_real("clip_norm", self.clip_norm, 0.0, math.inf, open_low=True)
+        if not isinstance(self.fused_adamw, bool):
+            raise TypeError(f"fused_adamw must be a bool, got {self.fused_adamw!r}")
+        if self.fused_adamw and self.name not in FUSED_ADAMW_OPTIMIZERS:
+            raise ValueError(
+                f"fused_adamw=True does not apply to optimizer {self.name!r}, which runs no "
+                f"AdamW: use it with one of {FUSED_ADAMW_OPTIMIZERS} or leave it off"
+            )
 
     def _check_betas(self) -> None:
         betas = self.betas

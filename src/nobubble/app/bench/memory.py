@@ -54,6 +54,7 @@ class MemoryBench:
     seq_len: int = 64
     data: str = "shakespeare"
     allocator: str = "as-shipped"  # or "release" (module docstring)
+    fused_adamw: bool = False  # AdamW's step without per-tensor scratch (OptimConfig.fused_adamw)
 
     def num_params(self) -> int:
         """Embedding and head (untied), per block attention (q, o full; k, v of kv_heads) and
@@ -95,7 +96,8 @@ def train_flags(cfg: MemoryBench, model: Path, stages: int, out: Path) -> list[s
         "--microbatches", str(cfg.microbatches), "--micro-batch-size", str(cfg.micro_batch_size),
         "--seq-len", str(cfg.seq_len), "--vocab-size", str(cfg.vocab), "--data", cfg.data,
         "--eval-batches", "1", "--sample-tokens", "0", "--threads", "1", "--no-progress",
-        "--dist-timeout", "600", "--out", str(out),
+        "--dist-timeout", "600", "--out", str(out), "--optimizer", "adamw",
+        "--fused-adamw", str(cfg.fused_adamw).lower(),
     ]  # fmt: skip
 
 

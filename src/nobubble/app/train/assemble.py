@@ -253,7 +253,11 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate")
         accum=cfg.accum,
         optimizer=cfg.optimizer,
         lr=lambda step: lr_at(step, cfg.steps, optim_cfg),
-        optimizer_options={"weight_decay": cfg.weight_decay, "momentum": cfg.momentum},
+        optimizer_options={
+            "weight_decay": cfg.weight_decay,
+            "momentum": cfg.momentum,
+            "fused_adamw": cfg.fused_adamw,
+        },
         clip=optim_cfg.clip_norm,
         clip_scope="global" if cfg.global_clip else "stage",
         correction=cfg.correction,

@@ -152,7 +152,15 @@ def check_resumable(manifest: dict[str, Any], cfg: Any, where: Path) -> None:
             f"--micro-batch-size {cfg.micro_batch_size} × --data-parallel {cfg.data_parallel} "
             f"= {now} would change the run: use {hint}"
         )
-    check_fingerprint(manifest, cfg.fingerprint(), where)
+    # a field added since the checkpoint was written ran at its default there
+    defaults = {
+        k: v for k, v in type(cfg)().fingerprint().items() if k not in manifest["fingerprint"]
+    }
+    check_fingerprint(
+        {**manifest, "fingerprint": {**defaults, **manifest["fingerprint"]}},
+        cfg.fingerprint(),
+        where,
+    )
 
 
 def checked_file(run_dir: Path, manifest: dict[str, Any], name: str) -> Path:

@@ -52,6 +52,7 @@ class TrainFields:
     model: str = "tiny"
     dtype: str = "fp32"
     paci_recompute: bool = False
+    fused_adamw: bool = False
     eval_every: int = 50
     eval_batches: int = 8
     checkpoint_every: int = 0
@@ -145,6 +146,7 @@ class TrainFields:
             warmup_frac=self.warmup_frac,
             min_lr_ratio=self.min_lr_ratio,
             clip_norm=self.clip if self.clip > 0 else None,
+            fused_adamw=self.fused_adamw,
         )
 
     def data_config(self) -> DataConfig:

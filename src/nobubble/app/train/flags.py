@@ -29,6 +29,8 @@ HELP = {
     "eval_every": "validate (and drain async schedules) every K steps",
     "checkpoint_every": "checkpoint every K steps (multiple of --eval-every; 0: at the end)",
     "dtype": "fp32 | bf16 (autocast, fp32 master weights)",
+    "fused_adamw": "true: AdamW (also Muon's AdamW side) in torch's fused kernel, no per-tensor "
+    "scratch in the step; last-bit different results",
     "runtime": "emulate (one process) | dist (one process per stage and replica)",
     "resume": "continue the run in this directory from its last checkpoint",
     "out": "run directory (default runs/<time>-<schedule>-<optimizer>)",
