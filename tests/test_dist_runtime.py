@@ -132,6 +132,19 @@ def test_dist_matches_the_emulator_bitwise_on_four_stages(dist_run, emulated):
     assert_equivalent(dist_run("paci", 4), emulated("paci", 4), stages=4)
 
 
+@pytest.mark.slow
+def test_dist_paci_with_fewer_microbatches_than_stages_matches_the_emulator(corpus, tmp_path):
+    """P=5, M=2 (M < P - 2): gloo's receives posted ahead of their consumers each wait alone.
+    Posted as one batch, the wait for one of them waited for all, among them a gradient that
+    needs this rank's own forward first: every rank hung (P=8, M=4 in docs/benchmarks.md)."""
+    flags = small_flags(
+        corpus, "paci", 5, microbatches=2, steps=3, model="tiny-deep", dist_timeout=30
+    )
+    dist_dir = launch(flags, tmp_path / "dist")
+    emu_dir = emulate(flags, tmp_path / "emu")
+    assert numbers(read_metrics(dist_dir)) == numbers(read_metrics(emu_dir))
+
+
 @pytest.mark.parametrize("strict", ["true", "false"])
 def test_dist_runs_zbv_two_stages_per_rank_as_the_emulator_does(corpus, tmp_path, strict):
     """zbv on 2 ranks (4 stages in a V: rank 0 holds the first and the last stage, so it

@@ -49,7 +49,7 @@ class MemoryBench:
     stages: tuple[int, ...] = (1, 4, 8)
     schedule: str = "paci"
     steps: int = 4
-    microbatches: int = 8  # M >= P: at P=8, M=4 hangs the dist runtime (docs/benchmarks.md)
+    microbatches: int = 8  # M >= P: every stage busy in the steady state at P=8
     micro_batch_size: int = 1
     seq_len: int = 64
     data: str = "shakespeare"

@@ -6,10 +6,10 @@ i, one ``batch_isend_irecv`` with the send of action i-1's output and the receiv
 input (the Megatron ``send_forward_recv_backward`` pattern). A send handed over by the
 interpreter waits for the next batch; a receive is posted by the action that consumes it, so
 nothing is pending at a collective or a drain point. On gloo the receives of the next
-``recv_lookahead`` actions are posted earlier, in the plan's order and never across a
-collective or a drain point (``_post_early``: gloo moves a message only once its receive is
-posted). Tags are 0 everywhere, as NCCL ignores them: messages between two ranks match in
-posting order, which the plan fixes.
+``recv_lookahead`` actions are posted earlier, in the plan's order and never across a collective
+or a drain point, each receive alone, so that its consumer waits for it and for no other
+(``_post_early``: gloo moves a message only once its receive is posted). Tags are 0 everywhere,
+as NCCL ignores them: messages between two ranks match in posting order, which the plan fixes.
 
 Activations and gradients have one shape per run, agreed before training (``(B, T, D)``), so a
 receive allocates its buffer without a shape exchange. Waits are bounded by ``timeout_s``: a dead
@@ -131,10 +131,13 @@ class DistTransport:
         loaded CPU take milliseconds to wake; posted ahead, the data is on its way while this
         rank still computes. The k-th receive from a peer meets the k-th send from it, and the
         receives posted early are the next ones of the plan, in its order, so every message
-        still meets its own. A message of a micro-batch that was fed exists in every longer or
-        drained schedule, and per peer those come in one fixed order (one stage per rank: by
-        micro-batch; several: within the batch up to its gather, whose plan is fixed), so a
-        replanned schedule keeps them. Off on NCCL: a pending receive there holds back the
+        still meets its own. Each is posted alone: one handle for several would make the
+        consumer of the first wait for the others too, among them a gradient from the next
+        rank that needs this rank's own next forward first (with M < P - 2 every rank hung so).
+        A message of a micro-batch that was fed exists in every longer or drained schedule, and
+        per peer those come in one fixed order (one stage per rank: by micro-batch; several:
+        within the batch up to its gather, whose plan is fixed), so a replanned schedule keeps
+        them. Off on NCCL: a pending receive there holds back the
         rank's stream, which the plan's NCCL order is built to avoid."""
         if self.recv_lookahead <= 0 or self.on_cuda:
             return
@@ -148,7 +151,8 @@ class DistTransport:
                 break
             early += receives
         self.early.update(op.message for op in early)
-        self._post(early)
+        for op in early:  # each alone: a consumer waits for its own receive, not for the others
+            self._post([op])
 
     def _post(self, ops: Sequence[CommOp]) -> None:
         """Launch ``ops`` in one call; keep the sends' tensors until they complete and the
