@@ -98,6 +98,14 @@ def small_flags(corpus: Path, schedule: str, stages: int, **overrides: Any) -> l
     return flags
 
 
+def emulate(flags: list[str], out: Path) -> Path:
+    """The reference of a dist run: the same flags in the single-process emulator."""
+    from nobubble.cli import main
+
+    assert main(["train", *flags, "--runtime", "emulate", "--out", str(out)]) == 0
+    return out
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

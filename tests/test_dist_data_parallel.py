@@ -36,8 +36,7 @@ from _dist_helpers import (
 )
 from nobubble.app.train.metrics import read_metrics
 from nobubble.cli import main
-from nobubble.data import fetch_shakespeare
-from test_dist_runtime import assert_stopped, hit_rank_after_first_checkpoint
+from test_dist_faults import assert_stopped, hit_rank_after_first_checkpoint
 
 STAGES, REPLICAS, STEPS, EVERY = 2, 2, 10, 5
 DIST_TIMEOUT = 20.0
@@ -46,13 +45,6 @@ RTOL_STATE = 1e-5  # gradient norms, weights and optimizer state (module docstri
 # AdamW's second moment averages squared gradients, so its relative error is twice theirs (on
 # 2026-12-03's AVX2-only machine it read 1.3e-5 for 1e-5; earlier machines held 1e-5)
 SQUARED_STATE = ("exp_avg_sq",)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
-    path.write_text(fetch_shakespeare().read_text()[:200_000])
-    return path
 
 
 def dp_flags(corpus: Path, micro_batch_size: int = 2, data_parallel: int = REPLICAS) -> list[str]:

@@ -31,16 +31,6 @@ needs_library = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """test_train's slice of the default corpus (real text)."""
-    from nobubble.data import fetch_shakespeare
-
-    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
-    path.write_text(fetch_shakespeare().read_text()[:200_000])
-    return path
-
-
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return GPT(model_config("tiny", 128, 16))

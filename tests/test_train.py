@@ -14,16 +14,7 @@ from nobubble.app.train.config import TrainConfig
 from nobubble.app.train.metrics import read_metrics
 from nobubble.app.train.trainer import Trainer
 from nobubble.cli import main
-from nobubble.data import fetch_shakespeare, write_bin_shard
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    """A 200 kB slice of the default corpus (real text; BPE trains on it in well under 1 s)."""
-    text = fetch_shakespeare().read_text()[:200_000]
-    path = tmp_path_factory.mktemp("corpus") / "plays.txt"
-    path.write_text(text)
-    return path
+from nobubble.data import write_bin_shard
 
 
 def small(corpus: Path, out: Path, **overrides) -> TrainConfig:
