@@ -172,3 +172,14 @@ def test_train_refuses_fused_grad_accumulation_under_a_split_backward(capsys):
     err = capsys.readouterr().err
     assert "--fused-grad-accumulation true needs each micro-batch's backward in one pass" in err
     assert "--schedule zbv" in err
+
+
+def test_a_second_derivative_through_a_fused_layer_is_refused_not_wrong():
+    """The weight's gradient goes into ``.grad`` outside the graph: differentiating the
+    backward again (a gradient penalty) would miss it, so it raises instead."""
+    layer = nn.Linear(7, 4)
+    fuse_grad_accumulation(layer)
+    x = torch.randn(3, 7, requires_grad=True)
+    (g,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -65,6 +66,7 @@ class _LinearGradInto(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its weight gradient goes into .grad: no graph to differentiate again
     def backward(
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, None, torch.Tensor | None]:
@@ -99,6 +101,7 @@ class _EmbeddingGradInto(torch.autograd.Function):
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, None, None]:
         (ids,) = ctx.saved_tensors
         weight: torch.Tensor = ctx.weight
