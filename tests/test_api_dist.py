@@ -44,6 +44,9 @@ for case in cases:  # the cases of one P, one after the other in the same proces
         "weights": {n: p.detach().clone() for n, p in pipe.stages[pipe.rank].named_parameters()},
         "merged": sorted(pipe.merged_state_dict()),
         "val": pipe.evaluate(*problem.batch(99)),
+        # a language model samples through its stages on every rank
+        "generated": pipe.generate([1, 2, 3], 4, context=5, top_k=8, seed=0)
+        if case["problem"].removeprefix("meta-") in problems.HF else None,
         "others_meta": all(p.is_meta for s, m in enumerate(pipe.stages) if s != pipe.rank
                            for p in m.parameters()),
     }
@@ -254,6 +257,9 @@ def test_dist_pipeline_equals_the_emulated_pipeline(problem, schedule, stages, o
     ]
     whole = sorted(n for s in pipe.stages for n in s.state_dict())
     assert all(part["merged"] == whole for part in parts)
+    if reference in ("llama", "gpt2"):  # every rank got the emulated pipeline's tokens
+        ids = pipe.generate([1, 2, 3], 4, context=5, top_k=8, seed=0)
+        assert all(part["generated"] == ids for part in parts)
     # no rank held another rank's stage (built on meta), or every rank did (built normally)
     assert all(part["others_meta"] == built_on_meta for part in parts)
 

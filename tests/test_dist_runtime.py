@@ -119,9 +119,12 @@ def test_dist_runs_zbv_two_stages_per_rank_as_the_emulator_does(corpus, tmp_path
     """zbv on 2 ranks (4 stages in a V: rank 0 holds the first and the last stage, so it
     writes the metrics) at M = 2P, under NCCL's rules and under gloo's eager posting: each rank
     posts its receives in the sender's order, validation crosses the V, each rank writes its 2
-    checkpoint parts, and the metrics (val_loss included) and all 4 parts are bitwise the
+    checkpoint parts, and the metrics (val_loss included), all 4 parts and the closing text
+    sample (drawn on rank 0, which holds the last stage, and sent to rank 1) are bitwise the
     emulator's."""
-    flags = small_flags(corpus, "zbv", 2, microbatches=4, steps=4, eval_every=2, dist_timeout=30)
+    flags = small_flags(
+        corpus, "zbv", 2, microbatches=4, steps=4, eval_every=2, dist_timeout=30, sample_tokens=12
+    )
     emu = emulate(flags, tmp_path / "emulated")
     run = launch([*flags, "--strict-p2p", strict], tmp_path / "dist")
     dist_records, emu_records = read_metrics(run), read_metrics(emu)
@@ -132,6 +135,7 @@ def test_dist_runs_zbv_two_stages_per_rank_as_the_emulator_does(corpus, tmp_path
     for stage, (d, e) in enumerate(zip(load_parts(run, 4), load_parts(emu, 4), strict=True)):
         assert d["stage"] == stage
         assert_same_state(d, e, f"stage{stage}")
+    assert (run / "sample.txt").read_text() == (emu / "sample.txt").read_text()
 
 
 @pytest.mark.slow
@@ -149,7 +153,8 @@ def test_dist_trains_a_tied_hugging_face_llama_as_the_emulator_does(corpus, tmp_
     """``--model hf:CONFIG --runtime dist``: a SmolLM2-style Llama whose input and output
     embeddings are tied, over 3 ranks (the pair swaps gradients, the middle rank gets their
     square), under --strict-p2p with global clipping: the emulator's numbers, validation and
-    checkpoints included, and the tied copies bitwise equal."""
+    checkpoints included, the tied copies bitwise equal, and the same closing text sample,
+    drawn through the three ranks' stages."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=512,
@@ -163,10 +168,13 @@ def test_dist_trains_a_tied_hugging_face_llama_as_the_emulator_does(corpus, tmp_
     )
     config.save_pretrained(tmp_path / "model")
     model = f"hf:{tmp_path / 'model' / 'config.json'}"
-    flags = small_flags(corpus, "1f1b", 3, microbatches=3, dist_timeout=30, model=model)
+    flags = small_flags(
+        corpus, "1f1b", 3, microbatches=3, dist_timeout=30, model=model, sample_tokens=12
+    )
     dist_dir = launch([*flags, "--strict-p2p", "true"], tmp_path / "dist")
     emu_dir = emulate(flags, tmp_path / "emulated")
     assert_equivalent(dist_dir, emu_dir, stages=3)
+    assert (dist_dir / "sample.txt").read_text() == (emu_dir / "sample.txt").read_text()
     assert all("val_loss" in r for r in read_metrics(dist_dir) if r["step"] % 3 == 0)
     first, last = (part["module"] for part in load_parts(dist_dir, 3)[::2])
     assert torch.equal(first["model.embed_tokens.weight"], last["lm_head.weight"])

@@ -91,3 +91,27 @@ def test_bench_runtime_refuses_an_unknown_allocator():
 
     with pytest.raises(ValueError, match="--allocator 'jemalloc': use one of as-shipped"):
         RuntimeBench(model="tiny", schedules=("1f1b",), allocator="jemalloc")
+
+
+def test_the_peak_sampler_names_what_ran_at_the_largest_resident_set():
+    import time
+
+    from nobubble.core.host_memory import PeakSampler, rss_bytes
+
+    if rss_bytes() is None:
+        pytest.skip("no /proc/self/statm here")
+    doing = ["before"]
+    before = rss_bytes()
+    sampler = PeakSampler(lambda: doing[0], interval=0.001).start()
+    doing[0] = "holding 64 MiB"
+    block = bytearray(64 << 20)
+    block[:: 1 << 12] = b"\x01" * len(block[:: 1 << 12])  # a byte in every page: resident
+    deadline = time.monotonic() + 30  # the sampler's thread may wait for a busy CPU
+    while sampler.peak < before + (60 << 20) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    doing[0] = "after"
+    del block
+    time.sleep(0.05)
+    peak, where = sampler.stop()
+    assert where == "holding 64 MiB"
+    assert peak >= before + (60 << 20)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nobubble.engine.ties import Tie
+from nobubble.optim import CORRECTIONS, DelayAwareLR
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -206,3 +207,40 @@ def adamw_matrices(module: nn.Module) -> set[str]:
         if any(p in ("lm_head", "head", "output", "wte", "wpe", "embed_tokens") for p in parts):
             names.add(name)
     return names
+
+
+def check_correction(
+    correction: str,
+    schedule: str,
+    synchronous: bool,
+    sync_warmup: int,
+    delay_lr_steps: int | None,
+    shard: str,
+) -> int:
+    """Refuse a delay correction that does not apply, with the fix; return the synchronous
+    warm-up steps (0 but under correction="sync-warmup")."""
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction={correction!r} is unknown: use one of {CORRECTIONS}")
+    if correction != "none" and synchronous:
+        raise ValueError(
+            f"correction={correction!r} corrects asynchronous schedules; {schedule} is "
+            "synchronous: use correction='none'"
+        )
+    if correction == "sync-warmup" and not (isinstance(sync_warmup, int) and sync_warmup > 0):
+        raise ValueError(
+            f"correction='sync-warmup' needs sync_warmup >= 1 steps, got {sync_warmup!r}"
+        )
+    if correction == "delay-lr":
+        DelayAwareLR(delay_lr_steps)  # type: ignore[arg-type]  # refuses a bad value now
+    elif delay_lr_steps is not None:
+        raise ValueError(
+            f"delay_lr_steps={delay_lr_steps!r} applies to correction='delay-lr' only, not "
+            f"{correction!r}: drop it or use correction='delay-lr'"
+        )
+    if shard == "fsdp" and correction == "predict":
+        raise ValueError(
+            "correction='predict' with shard='fsdp': a prediction is a whole-stage weight "
+            "copy, which the sharded versions do not keep; use correction='ef' or "
+            "'delay-lr', or shard='none'"
+        )
+    return sync_warmup if correction == "sync-warmup" else 0

@@ -33,6 +33,7 @@ from nobubble.api.arguments import (
     TorchOptimizer,
     adamw_matrices,
     check_backend,
+    check_correction,
     check_data_parallel,
     check_stages,
     find_ties,
@@ -53,10 +54,9 @@ from nobubble.core.schedules import (
     schedule_info,
 )
 from nobubble.engine import InProcessTransport, StageWorker
+from nobubble.engine.grad_fusion import check_fusable, fuse_grad_accumulation
 from nobubble.engine.tree import Tree
 from nobubble.optim import (
-    CORRECTIONS,
-    DelayAwareLR,
     OptimConfig,
     StageOptimizer,
     build_optimizer,
@@ -101,6 +101,13 @@ class Pipeline(PipelineState, Evaluation):
             first ``sync_warmup`` steps flushed).
         dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
         recompute: paci only: keep the stage input and recompute the forward at backward.
+        fused_grad_accumulation: each local stage's stock ``nn.Linear`` and ``nn.Embedding``
+            layers add their weight gradient into ``.grad`` inside the backward's own kernel
+            (``addmm_``, ``index_add_``, as Megatron-LM's gradient-accumulation fusion), so a
+            backward never holds a fresh gradient of a weight beside the accumulated one (their
+            class becomes ``FusedGradLinear`` / ``FusedGradEmbedding``; parameters and state dicts
+            are unchanged). Results differ from autograd's accumulation in the last bits. Not
+            with a split backward (zb-h1, zbv) or data_parallel >= 2.
         runtime: "emulate" runs every stage in this process; "dist" runs rank r's stages in
             the process of rank r (start P processes, e.g. with torchrun; each builds the same
             stages and feeds the same batches, and only its own stages are used: stage r, or
@@ -157,6 +164,7 @@ class Pipeline(PipelineState, Evaluation):
         sync_warmup: int = 0,
         dtype: str = "fp32",
         recompute: bool = False,
+        fused_grad_accumulation: bool = False,
         runtime: str = "emulate",
         steps: int | None = None,
         timeout: float = 600.0,
@@ -206,35 +214,19 @@ class Pipeline(PipelineState, Evaluation):
             raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0")
         self.timeout = float(timeout)
         check_backend(backend, runtime)
-        if correction not in CORRECTIONS:
-            raise ValueError(f"correction={correction!r} is unknown: use one of {CORRECTIONS}")
-        if correction != "none" and info.synchronous:
-            raise ValueError(
-                f"correction={correction!r} corrects asynchronous schedules; {schedule} is "
-                "synchronous: use correction='none'"
-            )
-        if correction == "sync-warmup" and not (isinstance(sync_warmup, int) and sync_warmup > 0):
-            raise ValueError(
-                f"correction='sync-warmup' needs sync_warmup >= 1 steps, got {sync_warmup!r}"
-            )
-        self.sync_warmup = sync_warmup if correction == "sync-warmup" else 0
-        if correction == "delay-lr":
-            DelayAwareLR(delay_lr_steps)  # type: ignore[arg-type]  # refuses a bad value now
-        elif delay_lr_steps is not None:
-            raise ValueError(
-                f"delay_lr_steps={delay_lr_steps!r} applies to correction='delay-lr' only, not "
-                f"{correction!r}: drop it or use correction='delay-lr'"
-            )
-        if shard == "fsdp" and correction == "predict":
-            raise ValueError(
-                "correction='predict' with shard='fsdp': a prediction is a whole-stage weight "
-                "copy, which the sharded versions do not keep; use correction='ef' or "
-                "'delay-lr', or shard='none'"
-            )
+        self.sync_warmup = check_correction(
+            correction, schedule, info.synchronous, sync_warmup, delay_lr_steps, shard
+        )
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is unknown: use one of {tuple(DTYPES)}")
         if recompute and schedule != "paci":
             raise ValueError(f"recompute=True applies to paci only, not {schedule}")
+        if not isinstance(fused_grad_accumulation, bool):
+            raise TypeError(
+                f"fused_grad_accumulation must be a bool, got {fused_grad_accumulation!r}"
+            )
+        if fused_grad_accumulation:
+            check_fusable(schedule, info.split_backward, data_parallel)
         if clip is not None and not (
             isinstance(clip, int | float) and math.isfinite(clip) and clip > 0
         ):
@@ -322,8 +314,12 @@ class Pipeline(PipelineState, Evaluation):
                 self.stages, self.local, seed=seed, init=init, weights=weights_path, device=where_to
             )
         self.workers: list[StageWorker] = []
+        # per local stage, the layers whose backward adds into .grad (fused_grad_accumulation)
+        self.fused_layers: dict[int, list[str]] = {}
         for s in self.local:
             module = self.stages[s]
+            if fused_grad_accumulation:
+                self.fused_layers[s] = fuse_grad_accumulation(module)
             # FSDP2 shards the stage now: its optimizer is built over the sharded parameters
             fsdp = (
                 None

@@ -145,6 +145,8 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
         data=args.data,
         allocator=args.allocator,
         fused_adamw=args.fused_adamw,
+        fused_grad_accumulation=args.fused_grad_accumulation,
+        where=args.where,
     )
 
     def progress(text: str) -> None:
@@ -325,6 +327,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--fused-adamw",
         action="store_true",
         help="train with AdamW's fused step (no per-tensor scratch; nobubble train --fused-adamw)",
+    )
+    q.add_argument(
+        "--fused-grad-accumulation",
+        action="store_true",
+        help="train with the weight gradients added into .grad inside the backward (no fresh "
+        "gradient per micro-batch; nobubble train --fused-grad-accumulation)",
+    )
+    q.add_argument(
+        "--where",
+        action="store_true",
+        help="each rank samples its resident set every 0.5 ms and reports what it was doing at "
+        "the largest (NOBUBBLE_PEAK_WHERE=1; a diagnostic: the sampled peak is at most the true "
+        "one)",
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_memory)

@@ -23,6 +23,9 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import threading
+import time
+from collections.abc import Callable
 
 ENV = "NOBUBBLE_MALLOC"
 CHOICES = ("default", "tuned")
@@ -98,3 +101,36 @@ def malloc_free_bytes() -> int | None:
         return None
     mallinfo2.restype = _MallInfo2
     return int(mallinfo2().fordblks)
+
+
+class PeakSampler:
+    """Where a process's resident set peaks: a daemon thread reads it (``/proc/self/statm``)
+    every ``interval`` seconds and keeps the largest value seen with ``label()`` at that
+    moment. A diagnostic (``NOBUBBLE_PEAK_WHERE=1`` in ``nobubble train --runtime dist``,
+    ``nobubble bench memory --where``): a rise shorter than the interval can be missed, so its
+    peak is at most ``getrusage``'s; Linux only (elsewhere it records nothing)."""
+
+    def __init__(self, label: Callable[[], str], interval: float = 0.0005) -> None:
+        self.label, self.interval = label, interval
+        self.peak, self.where = 0, ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nobubble-peak", daemon=True)
+
+    def start(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> tuple[int, str]:
+        """The largest resident set seen (bytes) and its label."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak, self.where
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = rss_bytes()
+            if rss is None:
+                return
+            if rss > self.peak:
+                self.peak, self.where = rss, self.label()
+            time.sleep(self.interval)

@@ -162,9 +162,10 @@ class WorkerForward(WorkerStep):
         return detached(out, requires_grad=False)
 
     @torch.no_grad()
-    def infer(self, inputs: Tree, targets: Tree = None) -> Tree:
+    def infer(self, inputs: Tree, targets: Tree = None, outputs: bool = False) -> Tree:
         """A forward on the master weights for evaluation, outside the schedule: the stage's
-        output, or on the last stage the loss of ``targets`` (nothing saved, no version read)."""
+        output, or on the last stage the loss of ``targets`` (its output with ``outputs``;
+        nothing saved, no version read)."""
         inputs = self._to_device(inputs)
         args, kwargs = call_args(inputs)
         current = self.versions.current
@@ -174,7 +175,7 @@ class WorkerForward(WorkerStep):
                 out = self.module(*args, **kwargs)
             else:
                 out = functional_call(self.module, weights, args, kwargs)
-            if not self.is_last:
+            if not self.is_last or outputs:
                 return out
             assert self.loss_fn is not None
             return self.loss_fn(out, self._to_device(targets))

@@ -55,6 +55,9 @@ class MemoryBench:
     data: str = "shakespeare"
     allocator: str = "as-shipped"  # or "release" (module docstring)
     fused_adamw: bool = False  # AdamW's step without per-tensor scratch (OptimConfig.fused_adamw)
+    # weight gradients added into .grad inside the backward (Pipeline's fused_grad_accumulation)
+    fused_grad_accumulation: bool = False
+    where: bool = False  # each rank also samples where its peak happens (NOBUBBLE_PEAK_WHERE)
 
     def num_params(self) -> int:
         """Embedding and head (untied), per block attention (q, o full; k, v of kv_heads) and
@@ -98,6 +101,7 @@ def train_flags(cfg: MemoryBench, model: Path, stages: int, out: Path) -> list[s
         "--eval-batches", "1", "--sample-tokens", "0", "--threads", "1", "--no-progress",
         "--dist-timeout", "600", "--out", str(out), "--optimizer", "adamw",
         "--fused-adamw", str(cfg.fused_adamw).lower(),
+        "--fused-grad-accumulation", str(cfg.fused_grad_accumulation).lower(),
     ]  # fmt: skip
 
 
@@ -126,6 +130,9 @@ def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, A
                 "malloc_free_MiB": None if free is None else round(free / MIB),
             }
         )
+        if "peak_where" in m:  # --where: the sampled peak (at most the true one) and its moment
+            rows[-1]["sampled_peak_MiB"] = round(m["sampled_peak"] / MIB)
+            rows[-1]["peak_during"] = m["peak_where"]
     return rows
 
 
@@ -144,6 +151,8 @@ def train(cfg: MemoryBench, model: Path, stages: int, out: Path, progress: Any) 
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if cfg.allocator == "release":
         env.update(RELEASE)
+    if cfg.where:
+        env["NOBUBBLE_PEAK_WHERE"] = "1"
     done = subprocess.run(
         [sys.executable, "-m", "nobubble", "train", *flags],
         env=env,

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from nobubble.app.train.sampling import sample_from_state
 from nobubble.app.train.trainer import RunResult, run_summary
 from nobubble.core.ir import STEP, Action
 from nobubble.core.sim.metrics import measured_utilization
@@ -29,7 +27,7 @@ def lane(spans: list[tuple[str, float, float]]) -> list[tuple[Action, float, flo
     return [(Action.parse(a), s, e) for a, s, e in spans]
 
 
-def write_outputs(run: Any, gathered: list[dict[str, Any]]) -> RunResult:
+def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) -> RunResult:
     """The last rank writes the timeline, ledger, sample and summary of the whole run. ``run`` is
     the ``RankRun`` (rank_run.py, which calls this; typed Any so that the two do not import
     each other)."""
@@ -64,17 +62,11 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]]) -> RunResult:
         )
         + "\n"
     )
-    text = None
-    if run.cfg.sample_tokens:
-        state: dict[str, torch.Tensor] = {}
-        for g in gathered:
-            state.update(g["state"])
-        text = sample_from_state(run.plan, state, run.data)
-        if text is not None:
-            (run.run_dir / "sample.txt").write_text(text + "\n")
+    if sample is not None:
+        (run.run_dir / "sample.txt").write_text(sample + "\n")
     replica0 = gathered[: run.num_ranks]  # replica 0's ranks hold every stage once
     peaks = by_stage(replica0, [g["peaks"] for g in replica0])
-    summary = run_summary(run.cfg, run.records, peaks, text)
+    summary = run_summary(run.cfg, run.records, peaks, sample)
     summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
     summary["memory"] = [g["memory"] for g in gathered]  # per rank, in bytes
     if run.cfg.data_parallel > 1:  # seconds per all-reduce, and the share hidden behind work

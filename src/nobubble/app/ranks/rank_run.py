@@ -4,11 +4,9 @@ gathered metrics, checkpoint parts, the measured timeline, and the run's end."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import torch.distributed as dist
 
 from nobubble.api.pipeline import StepResult
 from nobubble.app.ranks.outputs import by_stage, lane, write_outputs
+from nobubble.app.ranks.rank_env import RankEnv, check_same_config
 from nobubble.app.train.assemble import load_data, make_model, make_pipeline, make_plan
 from nobubble.app.train.checkpoint import (
     check_resumable,
@@ -29,6 +28,7 @@ from nobubble.app.train.checkpoint import (
 )
 from nobubble.app.train.config import TrainConfig
 from nobubble.app.train.metrics import MetricsWriter, rank_memory, truncate_metrics
+from nobubble.app.train.sampling import sample
 from nobubble.app.train.trainer import (
     RunResult,
     provenance,
@@ -36,7 +36,7 @@ from nobubble.app.train.trainer import (
     validation_loss,
 )
 from nobubble.core.comm import check_communication
-from nobubble.core.host_memory import peak_rss_bytes, rss_bytes
+from nobubble.core.host_memory import PeakSampler, peak_rss_bytes, rss_bytes
 from nobubble.core.ir import Action
 from nobubble.core.sim.metrics import measured_utilization
 from nobubble.engine import Interpreter, misplaced
@@ -44,50 +44,8 @@ from nobubble.runtime.distributed.clock import CudaClock, HostClock
 from nobubble.runtime.distributed.data_parallel import overlap
 
 
-@dataclass(frozen=True)
-class RankEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-    @staticmethod
-    def from_environ() -> RankEnv:
-        try:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        except (KeyError, ValueError):
-            raise ValueError(
-                "--runtime dist inside a launcher needs RANK and WORLD_SIZE in the "
-                "environment (torchrun sets them)"
-            ) from None
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        return RankEnv(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-
-
 class RankFailure(RuntimeError):
     """This rank could not continue; the message names rank, action and the resume point."""
-
-
-def _config_hash(cfg: TrainConfig) -> str:
-    return hashlib.sha256(json.dumps(cfg.fingerprint(), sort_keys=True).encode()).hexdigest()
-
-
-def _check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGroup | None) -> None:
-    """Every rank must run the same numbers: compare hashes, then name what differs."""
-    hashes: list[Any] = [None] * world_size
-    dist.all_gather_object(hashes, _config_hash(cfg), group=group)
-    differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
-    if not differ:
-        return
-    reference: list[Any] = [cfg.fingerprint()]
-    dist.broadcast_object_list(reference, src=0, group=group)
-    fields = sorted(k for k, v in cfg.fingerprint().items() if reference[0].get(k) != v)
-    mine = ", ".join(f"{k}={getattr(cfg, k)!r} (rank 0: {reference[0].get(k)!r})" for k in fields)
-    raise ValueError(
-        f"ranks {differ} run a different configuration than rank 0 (config hash "
-        f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "
-        "same flags"
-    )
 
 
 class RankRun:
@@ -98,7 +56,7 @@ class RankRun:
         self.rank, self.pp, self.dp = env.rank, env.rank % P, env.rank // P
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
         self.objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        _check_same_config(cfg, env.world_size, self.objects)
+        check_same_config(cfg, env.world_size, self.objects)
         run_dir: list[Any] = [str(resolve_run_dir(cfg)) if self.rank == 0 else None]
         dist.broadcast_object_list(run_dir, src=0, group=self.objects)  # one directory for all
         self.run_dir = Path(run_dir[0])
@@ -125,6 +83,10 @@ class RankRun:
         self.peak_after_model = peak_rss_bytes()
         self.pipe = make_pipeline(self.plan, stages, runtime="dist")
         assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
+        # where this rank's resident set peaks (a diagnostic: nobubble bench memory --where)
+        self.peak_sampler = (
+            PeakSampler(self._doing).start() if os.environ.get("NOBUBBLE_PEAK_WHERE") else None
+        )
         # What every rank will post is checked to complete under NCCL's rules before any step.
         check_communication(
             self.plan.schedule,
@@ -242,10 +204,7 @@ class RankRun:
         """Validation, gathered metrics and checkpoint. Their time is off the training clock:
         from the moment the last rank finished the drain's actions to the end here."""
         entered = time.time()
-        P = self.num_ranks
-        base = self.dp * P  # this replica's first global rank
-        neighbours = [base + r for r in (self.pp - 1, self.pp + 1) if 0 <= r < P]
-        self.meeting = f"running the pipelined validation after step {step}", neighbours
+        self.meeting = f"running the pipelined validation after step {step}", self._neighbours()
         val_loss = validation_loss(self.pipe, self.cfg, self.data)
         segment = self.interpreter.spans[self.segment_start :]
         self.segment_start = len(self.interpreter.spans)
@@ -367,7 +326,26 @@ class RankRun:
         manifest = read_manifest(self.run_dir)
         return float(manifest.get("train_s", manifest.get("elapsed_s", 0.0)))
 
+    def _neighbours(self) -> list[int]:
+        """The global ranks of this rank's pipeline neighbours in its replica."""
+        P = self.num_ranks
+        base = self.dp * P  # this replica's first global rank
+        return [base + r for r in (self.pp - 1, self.pp + 1) if 0 <= r < P]
+
+    def _doing(self) -> str:
+        """What this rank is doing now, for the peak sampler."""
+        meeting = getattr(self, "meeting", None)  # set once the run starts
+        if meeting is not None:
+            return str(meeting[0])
+        return f"running {self.pipe.emulator.current or 'between actions'}"
+
     def _finish(self) -> RunResult | None:
+        self.meeting = "sampling text through the stages", self._neighbours()
+        text = sample(self.plan, self.pipe, self.data)  # every rank: its stages' forwards
+        self.meeting = None
+        where = {}
+        if self.peak_sampler is not None:
+            where = dict(zip(("sampled_peak", "peak_where"), self.peak_sampler.stop(), strict=True))
         mine = {
             "stages": self.local,
             "spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
@@ -375,23 +353,15 @@ class RankRun:
             "peaks": [
                 (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live) for w in self.workers
             ],
-            "state": self._sample_state(),
             "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
             "memory": {
                 "rank": self.rank,
                 **rank_memory(self.workers, self.rss_before_model, self.peak_after_model),
+                **where,
             },
         }
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, mine, group=self.objects)
         if self.rank != self.last:
             return None
-        return write_outputs(self, gathered)
-
-    def _sample_state(self) -> dict[str, torch.Tensor]:
-        """The weights the last rank samples text from: replica 0's stages, whole (a sharded
-        stage gathers them from its dp group, so every replica takes part)."""
-        if not self.cfg.sample_tokens or (self.dp and self.cfg.shard == "none"):
-            return {}
-        state = {k: v.cpu() for w in self.workers for k, v in w.module_state().items()}
-        return state if self.dp == 0 else {}
+        return write_outputs(self, gathered, text)

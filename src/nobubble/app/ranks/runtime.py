@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nobubble.app.ranks.rank_run import RankEnv, RankRun
+from nobubble.app.ranks.rank_env import RankEnv
+from nobubble.app.ranks.rank_run import RankRun
 from nobubble.app.train.checkpoint import (
     read_manifest,
 )

@@ -266,6 +266,7 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate")
         sync_warmup=cfg.sync_warmup_steps,
         dtype=cfg.dtype,
         recompute=cfg.paci_recompute,
+        fused_grad_accumulation=cfg.fused_grad_accumulation,
         steps=cfg.steps,
         runtime=runtime,
         timeout=cfg.dist_timeout,

@@ -86,7 +86,9 @@ class TrainConfig(TrainFields):
     eval_every: validation every K steps; asynchronous schedules drain there (design.md sec. 5).
     checkpoint_every: checkpoint every K steps (a multiple of eval_every); 0 = only at the end.
     dtype: fp32 | bf16 (autocast, fp32 master weights). paci_recompute: recompute the stage
-        forward at backward time instead of keeping the forward's graph.
+        forward at backward time instead of keeping the forward's graph. fused_adamw: AdamW
+        through torch's fused kernel. fused_grad_accumulation: Linear and Embedding layers add
+        their weight gradient into ``.grad`` inside the backward (``Pipeline``'s argument).
     threads: torch intra-op threads per process (0: torch's default; the multi-process runtime
         defaults to cores / stages, since OpenMP threads that outnumber cores spin and stall).
     stop_at: stop after the checkpoint of this step (a planned interruption; --resume continues).
@@ -248,6 +250,18 @@ class TrainConfig(TrainFields):
             )
         if self.paci_recompute and self.schedule != "paci":
             raise ValueError("--paci-recompute applies to --schedule paci only")
+        if self.fused_grad_accumulation and SCHEDULES[self.schedule].split_backward:
+            raise ValueError(
+                f"--fused-grad-accumulation true needs each micro-batch's backward in one pass; "
+                f"--schedule {self.schedule} computes the weight gradients apart (W): use 1f1b, "
+                "paci or another schedule with a fused backward, or drop the flag"
+            )
+        if self.fused_grad_accumulation and self.data_parallel > 1:
+            raise ValueError(
+                f"--fused-grad-accumulation true with --data-parallel {self.data_parallel}: the "
+                "data-parallel reduction launches from autograd's gradients, which fusion does "
+                "not produce; use --data-parallel 1 or drop the flag"
+            )
         every = self.checkpoint_every
         if self.stop_at and not (self.stop_at < self.steps and every and self.stop_at % every == 0):
             raise ValueError(

@@ -53,6 +53,7 @@ class TrainFields:
     dtype: str = "fp32"
     paci_recompute: bool = False
     fused_adamw: bool = False
+    fused_grad_accumulation: bool = False
     eval_every: int = 50
     eval_batches: int = 8
     checkpoint_every: int = 0

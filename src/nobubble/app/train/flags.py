@@ -31,6 +31,8 @@ HELP = {
     "dtype": "fp32 | bf16 (autocast, fp32 master weights)",
     "fused_adamw": "true: AdamW (also Muon's AdamW side) in torch's fused kernel, no per-tensor "
     "scratch in the step; last-bit different results",
+    "fused_grad_accumulation": "true: Linear and Embedding layers add their weight gradient into "
+    ".grad inside the backward (no fresh gradient per micro-batch); last-bit different results",
     "runtime": "emulate (one process) | dist (one process per stage and replica)",
     "resume": "continue the run in this directory from its last checkpoint",
     "out": "run directory (default runs/<time>-<schedule>-<optimizer>)",

@@ -35,7 +35,7 @@ from nobubble.app.train.checkpoint import (
 )
 from nobubble.app.train.config import TrainConfig
 from nobubble.app.train.metrics import MetricsWriter, truncate_metrics
-from nobubble.app.train.sampling import sample, whole_model
+from nobubble.app.train.sampling import sample
 from nobubble.data import TokenData
 
 log = logging.getLogger(__name__)
@@ -289,8 +289,7 @@ class Trainer:
             + "\n"
         )
         self._record_action_costs()
-        with whole_model(self.plan, self.model) as model:
-            text = sample(self.plan, model, self.data)
+        text = sample(self.plan, self.pipe, self.data)
         if text is not None:
             (self.run_dir / "sample.txt").write_text(text + "\n")
         peaks = [

@@ -167,11 +167,14 @@ class RankRunner:
         )
 
     # ----- evaluation -----------------------------------------------------------------------------
-    def evaluate(self, pieces: list[tuple[Any, Any]]) -> list[torch.Tensor] | None:
+    def evaluate(
+        self, pieces: list[tuple[Any, Any]], outputs: bool = False
+    ) -> list[torch.Tensor] | None:
         """Forwards of ``pieces`` stage to stage, at a drain point (nothing else is posted, so
         these blocking transfers cannot cross training's). Each boundary's structure travels
         as a small object first: an evaluation batch may be shaped unlike training's. The rank
-        of the last stage returns the losses, the others None."""
+        of the last stage returns the losses (the last stage's outputs with ``outputs``), the
+        others None."""
         last = self.num_stages - 1
         losses = []
         for i, (x, y) in enumerate(pieces):
@@ -192,12 +195,21 @@ class RankRunner:
                     what = f"the evaluation input {i} of stage {stage} from rank {src}"
                     self._exchange(ops, what)
                     inputs = pytree.tree_unflatten(flat, pytree.treespec_loads(treespec))
-                handed = worker.infer(inputs, y if stage == last else None)
+                handed = worker.infer(inputs, y if stage == last else None, outputs)
                 if stage == last:
                     losses.append(handed)
                 elif self._remote(stage + 1):
                     self._send_evaluation(handed, i, stage + 1)
         return losses if last in self.by_stage else None
+
+    def from_last_stage(self, value: int | None) -> int:
+        """``value`` of the last stage's rank, on every rank of this replica (a broadcast over
+        its pipeline group; the others pass None)."""
+        holder = self.placement.rank_of(self.num_stages - 1)
+        device = torch.device("cpu") if self.staged else self.worker.device
+        box = torch.tensor([0 if value is None else value], dtype=torch.long, device=device)
+        dist.broadcast(box, src=self.ranks[holder], group=self.pipe.mesh.pp_group)
+        return int(box.item())
 
     def _send_evaluation(self, out: Any, i: int, stage: int) -> None:
         dst = self.ranks[self.placement.rank_of(stage)]
