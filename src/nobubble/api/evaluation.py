@@ -114,9 +114,9 @@ def check_sampling(
     """Refuse ``generate()``'s arguments before any forward, with the fix."""
     if isinstance(ids, torch.Tensor) or not ids or not all(isinstance(i, int) for i in ids):
         raise ValueError(f"ids={ids!r}: give the prompt as a non-empty list of token ids")
-    for name, value in (("new_tokens", new_tokens), ("context", context), ("top_k", top_k)):
-        least = 0 if name == "new_tokens" else 1
-        if value is None and name != "new_tokens":
+    checks = [("new_tokens", new_tokens, 0), ("context", context, 1), ("top_k", top_k, 1)]
+    for name, value, least in checks:
+        if value is None and name != "new_tokens":  # context and top_k: None means all
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name}={value!r}: use an integer >= {least}")

@@ -337,7 +337,7 @@ class RankRun:
         meeting = getattr(self, "meeting", None)  # set once the run starts
         if meeting is not None:
             return str(meeting[0])
-        return f"running {self.pipe.emulator.current or 'between actions'}"
+        return f"running {self.current or 'between actions'}"
 
     def _finish(self) -> RunResult | None:
         self.meeting = "sampling text through the stages", self._neighbours()
