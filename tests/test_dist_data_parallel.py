@@ -162,7 +162,7 @@ def test_sharded_replicas_train_as_the_emulator_and_resume_from_their_gathered_c
     replicas (FSDP2). Stopped at step 5 and resumed (each replica cutting its shards from the
     checkpoint gathered per stage), the run gives the emulator's numbers with micro-batches
     twice as large, within the replicated runs' tolerances; its checkpoint has the replicated
-    format, and the sample is drawn from the gathered weights."""
+    format, and the sample is drawn through the sharded stages (Pipeline.generate)."""
     out = tmp_path / "sharded"
     flags = [*dp_flags(corpus), "--shard", "fsdp", "--runtime", "dist", "--strict-p2p", "true"]
     first = run_train(*flags, "--sample-tokens", "8", "--stop-at", str(EVERY), "--out", str(out))
