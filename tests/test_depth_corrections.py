@@ -251,9 +251,11 @@ def test_rotation_matches_a_loop_written_from_the_paper(geometry):
         assert (b - c).abs().max() > 1e-3  # the rotation did change the trajectory
 
 
-def test_rotation_resumes_bitwise_mid_run():
+@pytest.mark.parametrize("geometry", ["bi", "uni"])
+def test_rotation_resumes_bitwise_mid_run(geometry):
     def make(params):
-        return _rotation([p for p in params if p.ndim == 2], precondition_frequency=2)
+        matrices = [p for p in params if p.ndim == 2]
+        return _rotation(matrices, precondition_frequency=2, geometry=geometry)
 
     grads = _grads(_params(), 7)
     straight = _params()
