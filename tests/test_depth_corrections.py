@@ -301,3 +301,31 @@ def test_soap_is_not_the_papers_rotation_its_first_step_does_not_move():
     for p, q, start in zip(soap_params, ours, _params(MATRICES), strict=True):
         assert torch.equal(p.detach(), start)
         assert not torch.equal(q.detach(), start)
+
+
+def test_rotation_trains_a_tiny_gpt_with_adamw_on_the_rest():
+    # The paper's split: hidden matrices rotated, embedding, head and norm gains to AdamW.
+    from nobubble.model import GPT, model_config
+
+    torch.manual_seed(0)
+    model = GPT(model_config("tiny", 128, 16))
+    named = list(model.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and not n.startswith(("embed.", "head."))]
+    rest = [p for n, p in named if not any(p is h for h in hidden)]
+    assert {tuple(p.shape) for p in hidden} >= {(64, 64), (192, 64), (64, 192)}  # not all square
+    opts = [
+        BasisRotation(hidden, lr=3e-3, betas=(0.9, 0.999)),
+        torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.999)),
+    ]
+    x = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(8):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), x.roll(-1, 1).ravel())
+        losses.append(loss.item())
+        for opt in opts:
+            opt.zero_grad()
+        loss.backward()
+        for opt in opts:
+            opt.step()
+    assert losses[-1] < losses[0] - 0.5, losses
