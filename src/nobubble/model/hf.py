@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from nobubble.core.errors import MissingExtra
+from nobubble.model.hf_stages import LAYOUTS, attention_types
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = (*LLAMA_LIKE, "gpt2")
+FAMILIES = tuple(LAYOUTS)
+ATTENTION = ("eager", "sdpa")  # the attention implementations the conformance suite checks
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -158,6 +159,12 @@ def weights_of(path: str) -> Path | None:
 
 
 def check_family(model_type: str) -> None:
+    if model_type == "gemma3":
+        raise ValueError(
+            "Hugging Face model type 'gemma3' is Gemma 3 with its vision tower; nobubble trains "
+            "its text model: build Gemma3ForCausalLM from the text_config (model type "
+            "'gemma3_text')"
+        )
     if model_type not in FAMILIES:
         raise ValueError(
             f"Hugging Face model type {model_type!r} is not supported yet; supported: "
@@ -166,32 +173,53 @@ def check_family(model_type: str) -> None:
         )
 
 
+def check_model(model: Any) -> None:
+    """Refuse, by name, a model or config field that the stages would not compute as the
+    model's own forward does (each refusal is tested in tests/test_hf_conformance.py)."""
+    config = model.config
+    check_family(config.model_type)
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__} has no lm_head: nobubble splits causal LMs; pass the "
+            f"...ForCausalLM of this {config.model_type} model"
+        )
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ATTENTION:
+        raise ValueError(
+            f"{config.model_type} config: attn_implementation={impl!r} is not checked through "
+            f"nobubble's stages; use one of {', '.join(ATTENTION)} "
+            "(from_config(config, attn_implementation='sdpa'))"
+        )
+    for field, why in (
+        ("use_bidirectional_attention", "lets every token see later ones (an encoder)"),
+        ("add_cross_attention", "adds cross-attention over an encoder's states"),
+    ):
+        if getattr(config, field, None):
+            raise ValueError(
+                f"{config.model_type} config: {field}={getattr(config, field)!r} {why}; "
+                f"nobubble's stages train causal LMs on next tokens: set {field}=False"
+            )
+    attention_types(config)  # an attention type without a mask maker is refused there
+
+
 # ----- the layout of each family -----------------------------------------------------------
 def block_layout(model: Any) -> tuple[str, nn.ModuleList]:
     """The prefix of the repeated blocks and the blocks."""
-    model_type = model.config.model_type
-    check_family(model_type)
-    if model_type == "gpt2":
-        return "transformer.h", model.transformer.h
-    return "model.layers", model.model.layers
+    layout = LAYOUTS[model.config.model_type]
+    return f"{layout.base}.{layout.blocks}", getattr(getattr(model, layout.base), layout.blocks)
 
 
 def tied_names(model: Any) -> tuple[str, str] | None:
     """(embedding, head) parameter names when the model ties them (one parameter), else None."""
-    embed, head = _embedding(model), model.lm_head.weight
-    if embed.weight is not head:
+    if model.get_input_embeddings().weight is not model.lm_head.weight:
         return None
     return embedding_names(model.config.model_type)
 
 
 def embedding_names(model_type: str) -> tuple[str, str]:
     """The (input embedding, head) weight names of a family."""
-    prefix = "transformer.wte" if model_type == "gpt2" else "model.embed_tokens"
-    return f"{prefix}.weight", "lm_head.weight"
-
-
-def _embedding(model: Any) -> nn.Embedding:
-    return model.transformer.wte if model.config.model_type == "gpt2" else model.model.embed_tokens
+    layout = LAYOUTS[model_type]
+    return f"{layout.base}.{layout.tokens}.weight", "lm_head.weight"
 
 
 def untie_embeddings(model: Any) -> None:
@@ -209,7 +237,7 @@ def export(model: Any, out: str | Path) -> Path:
     pipelined training is tied again first; the two copies must be bitwise equal.
     """
     out = Path(out)
-    embed = _embedding(model)
+    embed = model.get_input_embeddings()
     if model.config.tie_word_embeddings and model.lm_head.weight is not embed.weight:
         if not torch.equal(model.lm_head.weight, embed.weight):
             raise ValueError(
