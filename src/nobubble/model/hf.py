@@ -222,6 +222,13 @@ def embedding_names(model_type: str) -> tuple[str, str]:
     return f"{layout.base}.{layout.tokens}.weight", "lm_head.weight"
 
 
+def stored_names(model: Any) -> dict[str, str]:
+    """The tensors that a family's weight files hold under another name than the module's
+    (GPT-NeoX's head is saved as ``embed_out.weight``, as Pythia's checkpoints name it)."""
+    layout = LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None) or "")
+    return dict(layout.stored_as) if layout is not None and is_hf_model(model) else {}
+
+
 def untie_embeddings(model: Any) -> None:
     """Give the head its own copy of the tied weights; the config says so from now on."""
     if tied_names(model) is None:

@@ -48,6 +48,7 @@ class Layout:
     rotary: str | None = "rotary_emb"  # the rotary tables, or None (learned positions)
     rope_per_type: bool = False  # one rotary table per attention type (Gemma 3)
     logit_softcap: bool = False  # the head's logits soft-capped: tanh(x / c) * c (Gemma 2, 3)
+    stored_as: tuple[tuple[str, str], ...] = ()  # (module name, its name in weight files)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -61,7 +62,11 @@ LAYOUTS: dict[str, Layout] = {
     "phi3": Layout(attention="window"),
     "olmo2": Layout(),
     "gpt_neox": Layout(
-        base="gpt_neox", tokens="embed_in", dropout="emb_dropout", norm="final_layer_norm"
+        base="gpt_neox",
+        tokens="embed_in",
+        dropout="emb_dropout",
+        norm="final_layer_norm",
+        stored_as=(("lm_head.weight", "embed_out.weight"),),  # transformers saves its old name
     ),
     "gpt2": Layout(
         base="transformer",
