@@ -1,5 +1,5 @@
 """The conformance suite of the Hugging Face support: every supported family, over the config
-fields that change its forward (``hf_cases.CASES``), computes through nobubble's stages what the
+fields that change its forward (``_hf_cases.CASES``), computes through nobubble's stages what the
 model's own forward computes, and trains under 1f1b as plain training of the unsplit model
 does. A field the stages do not honour is refused by name at split time.
 
@@ -13,7 +13,7 @@ import torch
 
 import nobubble
 from _api_reference import Problem, plain_accumulation, run_pipeline, weights
-from hf_cases import CASES, FAMILY_OF, SEQ_LEN, VOCAB, build, tied, tokens
+from _hf_cases import CASES, FAMILY_OF, SEQ_LEN, VOCAB, build, tied, tokens
 from nobubble.hf import FAMILIES
 from nobubble.model import lm_loss
 

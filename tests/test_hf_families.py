@@ -2,7 +2,7 @@
 ledger-driven live-weight loop, a meta-device build materialized stage by stage from a seed and
 from the model's safetensors, and ``export`` reloaded by transformers.
 
-One case per family (``hf_cases``), the one with the most fields set. References: the
+One case per family (``_hf_cases``), the one with the most fields set. References: the
 ``_api_reference`` loops, transformers' ``from_config`` and ``from_pretrained``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import nobubble
 from _api_reference import LiveLoop, M, Problem, assert_bitwise, run_pipeline, weights
-from hf_cases import CASES, build, tokens
+from _hf_cases import CASES, build, tokens
 from nobubble.core.ledger import build_ledger
 from nobubble.core.schedules import build_schedule
 from nobubble.hf import FAMILIES, meta_model

@@ -6,9 +6,13 @@ trains the model, which ``transformers`` can then save and reload as it is. Only
 states cross a stage boundary; each stage recomputes what is cheaper to recompute than to send:
 the positions, the rotary tables and the causal mask.
 
-Supported families: the Llama family (``LlamaForCausalLM`` and the configs that share its
-layout: Mistral, Qwen2, Qwen3; SmolLM2 is a Llama config) and GPT-2. The inputs are token ids
-(batch, seq) of packed sequences, with no padding mask, as in pretraining.
+Supported families (``FAMILIES``, one ``nobubble.model.hf_stages.LAYOUTS`` entry each): Llama
+(SmolLM2 is a Llama config), Mistral, Qwen2, Qwen3, GPT-2, Gemma, Gemma 2, Gemma 3's text model
+(``gemma3_text``), Phi-3, OLMo 2 and GPT-NeoX. ``check_model`` refuses, by name and before any
+work, what the stages would not compute as the model's own forward does: another family, a
+model without a head, bidirectional or cross-attention, an attention implementation other than
+eager and sdpa, a layer type without a mask. The inputs are token ids (batch, seq) of packed
+sequences, with no padding mask, as in pretraining.
 
 Tied input and output embeddings (GPT-2, SmolLM2) are one parameter in the model. Split over
 several stages, the first stage owns the embedding and the last the head, so the head gets a
