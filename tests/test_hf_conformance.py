@@ -109,6 +109,10 @@ def test_bidirectional_attention_is_refused():
     )
     with pytest.raises(ValueError, match=r"gemma config: use_bidirectional_attention=True"):
         nobubble.split(gemma, 2)
+    llama = build("llama")
+    llama.config.is_causal = False  # transformers' masks then let every token see every other
+    with pytest.raises(ValueError, match=r"llama config: is_causal=False .*set is_causal=True"):
+        nobubble.split(llama, 2)
 
 
 def test_gpt2_cross_attention_is_refused():

@@ -117,3 +117,31 @@ def test_safetensors_load_per_stage_and_export_reloads_with_the_same_logits(fami
     with torch.no_grad():
         assert torch.equal(reloaded(x).logits, pipe.stages[1](pipe.stages[0](x)))
     assert reloaded.config.tie_word_embeddings == model.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_neox"])
+def test_train_cli_then_export_reloads_with_equal_logits(family, tmp_path):
+    """`nobubble train --model hf:CONFIG` over two stages, `nobubble export`, then transformers'
+    own loader: the same logits, bitwise (Gemma 2: a tied, soft-capped head; GPT-NeoX: a head
+    that transformers saves under another name)."""
+    from nobubble.app.export import load_run_model
+    from nobubble.cli import main
+
+    name = FAMILY_CASE[family]
+    config = CASES[name][0]()
+    config.vocab_size = 512  # the CLI's byte-level BPE needs its 256 bytes and some merges
+    config.save_pretrained(tmp_path / "model")
+    run, out = tmp_path / "run", tmp_path / "export"
+    flags = "--schedule 1f1b --stages 2 --steps 4 --eval-every 4 --micro-batch-size 2"
+    flags += " --seq-len 16 --vocab-size 512 --eval-batches 1 --sample-tokens 0 --no-progress"
+    argv = ["train", "--model", f"hf:{tmp_path / 'model' / 'config.json'}", *flags.split()]
+    assert main([*argv, "--out", str(run)]) == 0
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, local_files_only=True, dtype=torch.float32, attn_implementation=CASES[name][1]
+    )
+    _, stages, step = load_run_model(run)
+    assert step == 4
+    x = tokens(7)[0]
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, stages[1](stages[0](x)))

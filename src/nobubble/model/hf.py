@@ -177,6 +177,13 @@ def check_family(model_type: str) -> None:
         )
 
 
+_NOT_CAUSAL = (  # (field, its causal value, what another value does)
+    ("use_bidirectional_attention", False, "lets every token see later ones (an encoder)"),
+    ("is_causal", True, "makes the masks bidirectional (an encoder)"),
+    ("add_cross_attention", False, "adds cross-attention over an encoder's states"),
+)
+
+
 def check_model(model: Any) -> None:
     """Refuse, by name, a model or config field that the stages would not compute as the
     model's own forward does (each refusal is tested in tests/test_hf_conformance.py)."""
@@ -194,14 +201,12 @@ def check_model(model: Any) -> None:
             f"nobubble's stages; use one of {', '.join(ATTENTION)} "
             "(from_config(config, attn_implementation='sdpa'))"
         )
-    for field, why in (
-        ("use_bidirectional_attention", "lets every token see later ones (an encoder)"),
-        ("add_cross_attention", "adds cross-attention over an encoder's states"),
-    ):
-        if getattr(config, field, None):
+    for field, causal, why in _NOT_CAUSAL:
+        value = getattr(config, field, causal)
+        if value not in (causal, None):
             raise ValueError(
-                f"{config.model_type} config: {field}={getattr(config, field)!r} {why}; "
-                f"nobubble's stages train causal LMs on next tokens: set {field}=False"
+                f"{config.model_type} config: {field}={value!r} {why}; nobubble's stages "
+                f"train causal LMs on next tokens: set {field}={causal!r}"
             )
     attention_types(config)  # an attention type without a mask maker is refused there
 
