@@ -9,10 +9,10 @@ its balance in ``nobubble.api.split_hf`` (``nobubble.split`` takes these models 
 from nobubble.api.split_hf import split_balance, split_hf
 from nobubble.model.hf import (
     FAMILIES,
-    LLAMA_LIKE,
     WEIGHT_FILES,
     check_family,
     check_installed,
+    check_model,
     config_layers,
     config_vocab,
     embedding_names,
@@ -26,16 +26,17 @@ from nobubble.model.hf import (
     untie_embeddings,
     weights_of,
 )
-from nobubble.model.hf_stages import GPT2Stage, LlamaStage
+from nobubble.model.hf_stages import LAYOUTS, HFStage, Layout
 
 __all__ = [
     "FAMILIES",
-    "LLAMA_LIKE",
+    "LAYOUTS",
     "WEIGHT_FILES",
-    "GPT2Stage",
-    "LlamaStage",
+    "HFStage",
+    "Layout",
     "check_family",
     "check_installed",
+    "check_model",
     "config_layers",
     "config_vocab",
     "embedding_names",

@@ -5,7 +5,8 @@ it like any model and remembers the whole model on its stages; ``materialize(sta
 then gives the stages ``keep`` (a process's own) real tensors on ``device`` and fills them:
 
 - from ``weights``, a safetensors file or folder (sharded with its index): only the tensors of
-  those stages are read (``nobubble.api.weights``);
+  those stages are read (``nobubble.api.weights``), under the names transformers saves them
+  (GPT-NeoX's head as ``embed_out.weight``);
 - from ``seed``: bitwise the values that a model built normally after ``torch.manual_seed(seed)``
   starts with, whatever stages are kept.
 
@@ -154,9 +155,11 @@ def _load(
     mine: list[torch.Tensor],
     weights: str | Path | SafetensorsWeights,
 ) -> SafetensorsWeights:
+    from nobubble.model.hf import stored_names
+
     model = source.model
     reader = weights if isinstance(weights, SafetensorsWeights) else SafetensorsWeights(weights)
-    names = _names(model)
+    names, renamed = _names(model), stored_names(model)
     stored = set(model.state_dict(keep_vars=True))
     plan: dict[str, torch.Tensor] = {}
     computed: list[torch.Tensor] = []
@@ -167,6 +170,7 @@ def _load(
             continue
         # a head split from a tied embedding starts as the embedding (from_pretrained ties it)
         wanted = [source.copies.get(n, n) for n in saved]
+        wanted += [renamed[n] for n in wanted if n in renamed]  # the name a file may use
         plan[next((n for n in wanted if n in reader.weight_map), wanted[0])] = t
     reader.check({n: tuple(t.shape) for n, t in plan.items()})
     with torch.no_grad(), DrawAside():

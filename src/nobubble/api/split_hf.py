@@ -13,12 +13,13 @@ from torch import nn
 from nobubble.api.materializing import remember
 from nobubble.model.hf import (
     block_layout,
+    check_model,
     model_folder,
     require_transformers,
     tied_names,
     untie_embeddings,
 )
-from nobubble.model.hf_stages import GPT2Stage, LlamaStage
+from nobubble.model.hf_stages import HFStage
 from nobubble.model.partition import balanced_cuts
 from nobubble.model.stages import compute_cost
 
@@ -29,7 +30,9 @@ def _numel(module: nn.Module) -> int:
 
 def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> list[nn.Module]:
     """Cut a Hugging Face causal LM before the named blocks (``["model.layers.4"]``), or into
-    ``points`` stages that balance their compute (embedding on the first, head on the last)."""
+    ``points`` stages that balance their compute (embedding on the first, head on the last).
+    A family or config field the stages would not compute as the model does is refused."""
+    check_model(model)
     prefix, blocks = block_layout(model)
     n = len(blocks)
     names = [f"{prefix}.{i}" for i in range(n)]
@@ -69,9 +72,8 @@ def split_hf(model: Any, points: Sequence[str] | int, untie: bool = False) -> li
             untie_embeddings(model)
         else:  # two copies, declared tied: the pipeline adds their gradients at each step
             model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
-    stage_cls = GPT2Stage if model.config.model_type == "gpt2" else LlamaStage
     stages: list[Any] = [
-        stage_cls(model, range(a, b), first=s == 0, last=s == num_stages - 1)
+        HFStage(model, range(a, b), first=s == 0, last=s == num_stages - 1)
         for s, (a, b) in enumerate(itertools.pairwise(bounds))
     ]
     if tied is not None and num_stages > 1 and not untie:

@@ -6,9 +6,13 @@ trains the model, which ``transformers`` can then save and reload as it is. Only
 states cross a stage boundary; each stage recomputes what is cheaper to recompute than to send:
 the positions, the rotary tables and the causal mask.
 
-Supported families: the Llama family (``LlamaForCausalLM`` and the configs that share its
-layout: Mistral, Qwen2, Qwen3; SmolLM2 is a Llama config) and GPT-2. The inputs are token ids
-(batch, seq) of packed sequences, with no padding mask, as in pretraining.
+Supported families (``FAMILIES``, one ``nobubble.model.hf_stages.LAYOUTS`` entry each): Llama
+(SmolLM2 is a Llama config), Mistral, Qwen2, Qwen3, GPT-2, Gemma, Gemma 2, Gemma 3's text model
+(``gemma3_text``), Phi-3, OLMo 2 and GPT-NeoX. ``check_model`` refuses, by name and before any
+work, what the stages would not compute as the model's own forward does: another family, a
+model without a head, bidirectional or cross-attention, an attention implementation other than
+eager and sdpa, a layer type without a mask. The inputs are token ids (batch, seq) of packed
+sequences, with no padding mask, as in pretraining.
 
 Tied input and output embeddings (GPT-2, SmolLM2) are one parameter in the model. Split over
 several stages, the first stage owns the embedding and the last the head, so the head gets a
@@ -30,9 +34,10 @@ import torch
 from torch import nn
 
 from nobubble.core.errors import MissingExtra
+from nobubble.model.hf_stages import LAYOUTS, attention_types
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-FAMILIES = (*LLAMA_LIKE, "gpt2")
+FAMILIES = tuple(LAYOUTS)
+ATTENTION = ("eager", "sdpa")  # the attention implementations the conformance suite checks
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -158,6 +163,12 @@ def weights_of(path: str) -> Path | None:
 
 
 def check_family(model_type: str) -> None:
+    if model_type == "gemma3":
+        raise ValueError(
+            "Hugging Face model type 'gemma3' is Gemma 3 with its vision tower; nobubble trains "
+            "its text model: build Gemma3ForCausalLM from the text_config (model type "
+            "'gemma3_text')"
+        )
     if model_type not in FAMILIES:
         raise ValueError(
             f"Hugging Face model type {model_type!r} is not supported yet; supported: "
@@ -166,32 +177,65 @@ def check_family(model_type: str) -> None:
         )
 
 
+_NOT_CAUSAL = (  # (field, its causal value, what another value does)
+    ("use_bidirectional_attention", False, "lets every token see later ones (an encoder)"),
+    ("is_causal", True, "makes the masks bidirectional (an encoder)"),
+    ("add_cross_attention", False, "adds cross-attention over an encoder's states"),
+)
+
+
+def check_model(model: Any) -> None:
+    """Refuse, by name, a model or config field that the stages would not compute as the
+    model's own forward does (each refusal is tested in tests/test_hf_conformance.py)."""
+    config = model.config
+    check_family(config.model_type)
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__} has no lm_head: nobubble splits causal LMs; pass the "
+            f"...ForCausalLM of this {config.model_type} model"
+        )
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ATTENTION:
+        raise ValueError(
+            f"{config.model_type} config: attn_implementation={impl!r} is not checked through "
+            f"nobubble's stages; use one of {', '.join(ATTENTION)} "
+            "(from_config(config, attn_implementation='sdpa'))"
+        )
+    for field, causal, why in _NOT_CAUSAL:
+        value = getattr(config, field, causal)
+        if value not in (causal, None):
+            raise ValueError(
+                f"{config.model_type} config: {field}={value!r} {why}; nobubble's stages "
+                f"train causal LMs on next tokens: set {field}={causal!r}"
+            )
+    attention_types(config)  # an attention type without a mask maker is refused there
+
+
 # ----- the layout of each family -----------------------------------------------------------
 def block_layout(model: Any) -> tuple[str, nn.ModuleList]:
     """The prefix of the repeated blocks and the blocks."""
-    model_type = model.config.model_type
-    check_family(model_type)
-    if model_type == "gpt2":
-        return "transformer.h", model.transformer.h
-    return "model.layers", model.model.layers
+    layout = LAYOUTS[model.config.model_type]
+    return f"{layout.base}.{layout.blocks}", getattr(getattr(model, layout.base), layout.blocks)
 
 
 def tied_names(model: Any) -> tuple[str, str] | None:
     """(embedding, head) parameter names when the model ties them (one parameter), else None."""
-    embed, head = _embedding(model), model.lm_head.weight
-    if embed.weight is not head:
+    if model.get_input_embeddings().weight is not model.lm_head.weight:
         return None
     return embedding_names(model.config.model_type)
 
 
 def embedding_names(model_type: str) -> tuple[str, str]:
     """The (input embedding, head) weight names of a family."""
-    prefix = "transformer.wte" if model_type == "gpt2" else "model.embed_tokens"
-    return f"{prefix}.weight", "lm_head.weight"
+    layout = LAYOUTS[model_type]
+    return f"{layout.base}.{layout.tokens}.weight", "lm_head.weight"
 
 
-def _embedding(model: Any) -> nn.Embedding:
-    return model.transformer.wte if model.config.model_type == "gpt2" else model.model.embed_tokens
+def stored_names(model: Any) -> dict[str, str]:
+    """The tensors that a family's weight files hold under another name than the module's
+    (GPT-NeoX's head is saved as ``embed_out.weight``, as Pythia's checkpoints name it)."""
+    layout = LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None) or "")
+    return dict(layout.stored_as) if layout is not None and is_hf_model(model) else {}
 
 
 def untie_embeddings(model: Any) -> None:
@@ -209,7 +253,7 @@ def export(model: Any, out: str | Path) -> Path:
     pipelined training is tied again first; the two copies must be bitwise equal.
     """
     out = Path(out)
-    embed = _embedding(model)
+    embed = model.get_input_embeddings()
     if model.config.tie_word_embeddings and model.lm_head.weight is not embed.weight:
         if not torch.equal(model.lm_head.weight, embed.weight):
             raise ValueError(
