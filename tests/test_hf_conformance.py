@@ -122,13 +122,17 @@ def test_gpt2_cross_attention_is_refused():
         nobubble.split(model, 2)
 
 
-def test_an_unchecked_attention_implementation_is_refused():
+def test_an_unknown_attention_implementation_is_refused_and_a_gpu_kernel_warned(caplog):
     model = build("llama")
-    model.config._attn_implementation = "flex_attention"
+    model.config._attn_implementation = "my_kernel"
     with pytest.raises(
-        ValueError, match=r"attn_implementation='flex_attention' .* use one of eager, sdpa"
+        ValueError, match=r"attn_implementation='my_kernel' .* use one of eager, sdpa, flash"
     ):
         nobubble.split(model, 2)
+    model.config._attn_implementation = "flash_attention_2"
+    with caplog.at_level("WARNING"):
+        nobubble.split(model, 2)
+    assert "checks only eager, sdpa" in caplog.text
 
 
 def test_an_attention_type_without_a_mask_is_refused():
