@@ -43,6 +43,15 @@ from nobubble.app.time_to_target_tune import Tune, tune_variants
 SYNC_CONTESTANTS = ("1f1b", "zbv", "interleaved-1f1b", "zb-h1")
 EMULATED = "emulate"  # the folder of the emulated copies of a projection check
 LEAVES_OUT = "transfers, the runtime's own overhead"
+# A loss within this share of the target counts as reaching it: the synchronous schedules train
+# the same gradients summed in other orders, and their final losses differ by ~1e-6 (zbv against
+# 1f1b); without it one of two identical trainings "never reaches" the other's loss.
+SAME_LOSS = 1e-5
+
+
+def reached_at(curve: Sequence[tuple[float, float]], target: float) -> float | None:
+    """``crossing`` with float rounding's allowance (``SAME_LOSS``) on the target."""
+    return crossing(curve, target + SAME_LOSS * abs(target))
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,7 @@ def best_synchronous(runs: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dic
     labels = [label for label in runs[seeds[0]] if Variant.parse(label).synchronous]
     own = {
         label: statistics.median(
-            crossing(runs[s][label]["curve"], runs[s][label]["final_val"]) or math.inf
+            reached_at(runs[s][label]["curve"], runs[s][label]["final_val"]) or math.inf
             for s in seeds
         )
         for label in labels
@@ -199,8 +208,8 @@ def best_synchronous(runs: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dic
 
 def _versus(run: Mapping[str, Any], base: Mapping[str, Any]) -> tuple[float | None, float | None]:
     """A run's time to ``base``'s final loss, and its ratio to ``base``'s own time to it."""
-    reached = crossing(run["curve"], base["final_val"])
-    own = crossing(base["curve"], base["final_val"])
+    reached = reached_at(run["curve"], base["final_val"])
+    own = reached_at(base["curve"], base["final_val"])
     return reached, None if reached is None or not own else reached / own
 
 
