@@ -66,6 +66,16 @@ def test_the_baseline_is_the_synchronous_schedule_that_reaches_its_own_loss_soon
     )  # it got there
 
 
+def test_an_equal_budget_race_keeps_the_equal_steps_races_baseline(tmp_path):
+    from nobubble.app.time_to_target_race import RaceOptions
+
+    _race(tmp_path)
+    kept = summarize(
+        tmp_path, parse_variants("paci", ["zbv"]), [0, 1], RaceOptions(baseline="1f1b")
+    )
+    assert kept["baseline"] == "1f1b" and kept["variants"]["zbv"]["vs_best_median"] < 1
+
+
 def test_the_table_marks_each_rows_clock_and_the_seeds_that_reached(tmp_path):
     text = format_race(_race(tmp_path))
     paci = next(line for line in text.splitlines() if line.startswith("paci"))
@@ -170,6 +180,7 @@ def test_a_race_and_its_equal_budget_run_end_to_end_on_a_tiny_model(tmp_path):
         assert row["clock"] == "projected" and row["leaves_out"] == LEAVES_OUT
         assert row["seeds"][0]["steps"] == 4 and len(row["seeds"][0]["curve"]) == 2
     assert same["variants"]["1f1b"]["vs_best_median"] == 1.0
+    assert budget["budget_of"] == budget["baseline"] == "1f1b"
     # the budget race trains each variant the steps its throughput buys, rounded down
     assert budget["steps"] == budget_steps(same, 4, 2)
     for label, steps in budget["steps"].items():

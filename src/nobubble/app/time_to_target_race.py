@@ -62,12 +62,16 @@ class RaceOptions:
     report the projected clock's error. transfer_s: projected clocks charge each hop between
     ranks this many seconds (0: free). projection_error: a checked race's ``projection_check``,
     carried as error bars on projected figures. tune: tune every variant's lr first.
+    baseline: the best synchronous schedule, when chosen already (an equal-budget race keeps
+    the equal-steps race's: at equal budgets a schedule that trained fewer steps would reach its
+    own, higher, final loss soonest).
     """
 
     check_projection: bool = False
     transfer_s: float = 0.0
     projection_error: Mapping[str, Any] | None = None
     tune: Tune | None = None
+    baseline: str | None = None
 
 
 def sync_contestants(base_flags: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -159,7 +163,7 @@ def equal_budget(
     same = race(out, base_flags, variants, seeds, steps, segments, progress, options)
     lengths = budget_steps(same, steps, quantum)
     budgeted = [dataclasses.replace(v, steps=lengths[v.label]) for v in variants]
-    again = dataclasses.replace(options, check_projection=False)
+    again = dataclasses.replace(options, check_projection=False, baseline=same["baseline"])
     result = race(
         out / "equal-budget", base_flags, budgeted, seeds, steps, segments, progress, again
     )
@@ -266,7 +270,7 @@ def summarize(
         for s in seeds
     }
     chosen = best_synchronous(runs)
-    best = chosen["best"]
+    best = chosen["best"] = options.baseline or chosen["best"]
     rows: dict[str, dict[str, Any]] = {}
     for v in variants:
         per = {s: _seed_row(runs[s][v.label], runs[s][best], runs[s][BASELINE]) for s in seeds}
