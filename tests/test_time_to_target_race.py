@@ -189,3 +189,30 @@ def test_a_race_and_its_equal_budget_run_end_to_end_on_a_tiny_model(tmp_path):
         Path(same["figure"]) == tmp_path / "loss-vs-time-P2.png"
         and Path(same["figure"]).stat().st_size
     )
+
+
+@pytest.mark.parametrize(
+    ("settings", "runtime", "needle"),
+    [
+        ({"check_projection": True}, "emulate", "give --runtime dist"),
+        ({"transfers": True}, "emulate", "give --projection-from FILE"),
+        ({"projection_from": "race.json"}, "emulate", "holds no projection check"),
+    ],
+)
+def test_projection_options_that_cannot_work_are_refused(tmp_path, settings, runtime, needle):
+    from nobubble.app.time_to_target_bench import RaceConfig, options
+
+    (tmp_path / "race.json").write_text(json.dumps({"equal_steps": {"variants": {}}}))
+    if "projection_from" in settings:
+        settings = {"projection_from": tmp_path / settings["projection_from"]}
+    with pytest.raises(ValueError, match=needle):
+        options(RaceConfig(**settings), runtime)
+
+
+def test_a_tuning_grid_too_small_or_too_coarse_is_refused():
+    from nobubble.app.time_to_target_tune import Tune
+
+    with pytest.raises(ValueError, match="at least 5"):
+        Tune(points=3)
+    with pytest.raises(ValueError, match=r"between 1\.4 and 2\.5"):
+        Tune(factor=4.0)
