@@ -48,7 +48,7 @@ def _line(label: str, row: Mapping[str, Any], seeds: Sequence[int], best: str) -
         "/".join(sorted({str(r["steps"]) for r in per})),
         f"{row['final_val_mean']:.4f}",
         "-" if label == best else _spread(row["final_vs_best"], "+"),
-        f"{row['tokens_per_s_median']:,.0f}",
+        f"{row['tokens_per_s_median']:,.0f}" + ("" if time_bar is None else f" ±{time_bar:.0%}"),
         " / ".join(seconds(r["time_to_target_s"]) for r in per),
         _median(row, "vs_best", None if bar is None else bar["vs_best"]),
         _spread(row["vs_best_interval"]),
