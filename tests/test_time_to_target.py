@@ -1,5 +1,6 @@
-"""Time to target (issue 34): the crossing rule, the variants' spelling and refusals, the training
-clock that leaves validations out, the projected clock, and a race's summary."""
+"""Time to target (issues 34, 44): the crossing rule, the variants' spelling and refusals, the
+training clock that leaves validations out, the projected clock, a race's summary against the
+best synchronous schedule, the equal budget's rounding, the tuning's grid and a race end to end."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from nobubble.app.time_to_target import (
     crossing,
     parse_variants,
     projected_times,
-    summarize,
     val_curve,
 )
 from nobubble.core.schedules import build_schedule
@@ -109,49 +109,17 @@ def test_validation_is_off_the_training_clock_and_the_projection_replays_the_sch
     assert times[1] < times[2] < times[3] < times[4]
 
 
-# ----- a race's summary ---------------------------------------------------------------------------
-def _fake_run(root: Path, seed: int, name: str, curve: list[tuple[float, float]]) -> None:
-    run = root / f"seed{seed}" / name
-    run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"config": {"runtime": "dist"}}))
-    lines = [
-        {
-            "step": 10 * (i + 1),
-            "tokens": 1000 * (i + 1),
-            "elapsed_s": t + 5,
-            "train_s": t,
-            "val_loss": v,
-        }
-        for i, (t, v) in enumerate(curve)
-    ]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+def test_a_split_backward_is_projected_as_its_input_and_weight_halves(tmp_path):
+    from nobubble.app.time_to_target import stage_costs
 
-
-def test_a_race_reports_each_seeds_time_to_its_baselines_final_loss(tmp_path):
-    # seed 0: 1f1b ends at 3.0 after 30 s; paci gets to 3.0 at 24 s (between 20 s and 25 s)
-    _fake_run(tmp_path, 0, "1f1b", [(10.0, 4.0), (20.0, 3.5), (30.0, 3.0)])
-    _fake_run(tmp_path, 0, "paci", [(10.0, 3.8), (20.0, 3.2), (25.0, 2.9)])
-    # seed 1: paci never reaches 1f1b's 2.9
-    _fake_run(tmp_path, 1, "1f1b", [(10.0, 4.0), (30.0, 2.9)])
-    _fake_run(tmp_path, 1, "paci", [(10.0, 3.9), (25.0, 3.0)])
-    result = summarize(tmp_path, parse_variants("paci"), [0, 1])
-    paci = result["variants"]["paci"]
-    assert paci["seeds"][0]["time_to_target_s"] == pytest.approx(20 + 5 * 0.2 / 0.3)
-    assert paci["seeds"][0]["vs_baseline"] == pytest.approx((20 + 5 * 0.2 / 0.3) / 30)
-    assert paci["seeds"][1]["time_to_target_s"] is None and paci["reached"] == 1
-    assert paci["vs_baseline_interval"] is None  # a seed that never got there: no mean ratio
-    assert result["variants"]["1f1b"]["vs_baseline_median"] == 1.0
-    assert not result["projected"]
-
-
-def test_equal_budget_steps_follow_the_measured_throughput_in_whole_quanta():
-    from nobubble.app.time_to_target import budget_steps
-
-    def row(*tokens_per_s: float) -> dict:
-        return {"seeds": {s: {"tokens_per_s": t} for s, t in enumerate(tokens_per_s)}}
-
-    result = {"variants": {"1f1b": row(100.0, 200.0, 100.0), "paci": row(122.0, 250.0, 119.0)}}
-    # per-seed ratios 1.22, 1.25, 1.19: the median 1.22 x 150 = 183 steps, to a multiple of 30
-    assert budget_steps(result, 150, 30) == {"1f1b": 150, "paci": 180}
-    slow = {"variants": {"1f1b": row(100.0), "paci": row(1.0)}}
-    assert budget_steps(slow, 150, 30)["paci"] == 30  # never below one quantum
+    durations = {
+        "0": {"F": [1.0, 3.0, 2.0], "W": [4.0], "STEP": [0.5]},  # the first stage: no I
+        "1": {"F": [2.0], "I": [1.0, 1.0], "W": [3.0], "STEP": [1.5]},
+    }
+    (tmp_path / "action_costs.json").write_text(json.dumps({"durations_s": durations}))
+    model = stage_costs(tmp_path, transfer_s=0.25)
+    assert model.fwd == (2.0, 2.0) and model.bwd == (4.0, 4.0) and model.wgrad == (4.0, 3.0)
+    assert model.step == 1.0 and model.transfer() == 0.25
+    fused = {str(s): {"F": [1.0], "B": [2.0], "STEP": [0.0]} for s in range(2)}
+    (tmp_path / "action_costs.json").write_text(json.dumps({"durations_s": fused}))
+    assert stage_costs(tmp_path).bwd == (2.0, 2.0) and stage_costs(tmp_path).wgrad is None

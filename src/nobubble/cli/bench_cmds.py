@@ -9,6 +9,7 @@ import time
 
 from nobubble.cli.bench_runtime_cmds import TORCH_PEERS, cmd_bench_runtime, synthetic_pair
 from nobubble.cli.schedule_cmds import positive_int, print_table
+from nobubble.cli.time_to_target_cmds import add_time_to_target
 from nobubble.core.schedules import SCHEDULE_NAMES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 
@@ -93,40 +94,6 @@ def cmd_bench_emulator(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----- nobubble bench time-to-target -------------------------------------------------------------
-def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from nobubble.app.demo import demo_flags, eval_every
-    from nobubble.app.time_to_target import equal_budget, format_race, parse_variants, race
-
-    variants = parse_variants(args.variants)
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    # the demo's settings (mini, Muon, P=2, M=4, two processes), then the caller's train flags
-    base = demo_flags(args.steps, args.rounds)
-    every = args.eval_every or eval_every(args.steps, args.rounds)
-    if (args.steps // args.rounds) % every:
-        raise ValueError(
-            f"--eval-every {every} does not divide a round of {args.steps // args.rounds} steps: "
-            "evaluations must fall on the rounds' drain points too"
-        )
-    base += ["--eval-every", str(every), *args.train]
-    out, progress = Path(args.out), not args.json
-    if not args.equal_budget:
-        result = race(out, base, variants, seeds, args.steps, args.rounds, progress)
-        print(json.dumps(result) if args.json else format_race(result))
-        return 0
-    quantum = args.rounds * every  # whole rounds of whole evaluation intervals
-    both = equal_budget(out, base, variants, seeds, args.steps, args.rounds, quantum, progress)
-    if args.json:
-        print(json.dumps(both))
-    else:
-        print("equal steps:\n" + format_race(both["equal_steps"]))
-        print("\nequal wall-clock budget (steps scaled by measured throughput):")
-        print(format_race(both["equal_budget"]))
-    return 0
-
-
 # ----- nobubble bench memory ----------------------------------------------------------------------
 def cmd_bench_memory(args: argparse.Namespace) -> int:
     from nobubble.app.bench.memory import MemoryBench, run
@@ -185,9 +152,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks that print figures")
-    bench = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+def _add_sim(bench: argparse._SubParsersAction) -> None:
     q = bench.add_parser("sim", help="simulator speed at two sizes (linear scaling check)")
     q.add_argument("--schedule", default="paci", choices=SCHEDULE_NAMES)
     q.add_argument("--stages", type=positive_int, default=64)
@@ -197,6 +162,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_sim)
 
+
+def _add_emulator(bench: argparse._SubParsersAction) -> None:
     q = bench.add_parser("emulator", help="emulator time per step vs plain training")
     q.add_argument("--schedule", default="1f1b,paci,2bw", help="comma list of schedules")
     q.add_argument("--model", default="small")
@@ -210,6 +177,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_emulator)
 
+
+def _add_runtime(bench: argparse._SubParsersAction) -> None:
     q = bench.add_parser(
         "runtime", help="multi-process runtime vs torch.distributed.pipelining (tokens/s)"
     )
@@ -264,44 +233,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_runtime)
 
-    q = bench.add_parser(
-        "time-to-target",
-        help="each variant's time to 1f1b's final validation loss, a round per seed",
-        description="Train 1f1b and every variant for every seed (the demo's settings: mini, "
-        "Muon, 2 stages on 2 processes, M=4; change any with --train), the runs of a seed "
-        "cut into --rounds segments that alternate; print each variant's time to its seed's "
-        "1f1b final validation loss and the ratio to 1f1b's. With --train '--runtime emulate' "
-        "the clock is projected from the emulator's measured action costs.",
-    )
-    q.add_argument(
-        "--variants",
-        default="1f1b,paci,2bw",
-        help="comma list of SCHEDULE[:CORRECTION][@LR], e.g. paci,paci:predict,2bw:ef@0.008 "
-        "(1f1b, the baseline, is always run)",
-    )
-    q.add_argument("--seeds", default="0,1,2", help="comma list of seeds, one round each")
-    q.add_argument("--steps", type=positive_int, default=150)
-    q.add_argument("--rounds", type=positive_int, default=3, help="segments per run")
-    q.add_argument(
-        "--eval-every", type=positive_int, default=0, help="0: a fifth of a round's steps"
-    )
-    q.add_argument(
-        "--train",
-        type=str.split,
-        default=[],
-        help="nobubble train flags in one string, after the demo's (they win), e.g. "
-        "'--optimizer adamw --lr 3e-3 --stages 4 --runtime emulate'",
-    )
-    q.add_argument(
-        "--equal-budget",
-        action="store_true",
-        help="then train every variant again for 1f1b's wall-clock budget: its steps (and its "
-        "lr schedule) scaled by its measured throughput; compare final losses",
-    )
-    q.add_argument("--out", default="runs/time-to-target")
-    q.add_argument("--json", action="store_true")
-    q.set_defaults(func=cmd_bench_time_to_target)
 
+def _add_memory(bench: argparse._SubParsersAction) -> None:
     q = bench.add_parser(
         "memory", help="peak resident memory per rank of a HF Llama under --runtime dist"
     )
@@ -343,3 +276,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_memory)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print figures")
+    bench = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+    _add_sim(bench)
+    _add_emulator(bench)
+    _add_runtime(bench)
+    add_time_to_target(bench)
+    _add_memory(bench)

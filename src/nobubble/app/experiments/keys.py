@@ -34,6 +34,7 @@ NOT_TRAINING_CODE = (
     "cli/experiment_cmds.py",
     "cli/schedule_cmds.py",
     "cli/bench_cmds.py",
+    "cli/time_to_target_cmds.py",
     "cli/export_cmds.py",
     "app/export.py",
     "app/bench/emulator.py",
@@ -41,6 +42,10 @@ NOT_TRAINING_CODE = (
     "app/demo.py",
     "app/segments.py",
     "app/time_to_target.py",
+    "app/time_to_target_bench.py",
+    "app/time_to_target_race.py",
+    "app/time_to_target_report.py",
+    "app/time_to_target_tune.py",
 )
 HASH_CHARS = 8
 

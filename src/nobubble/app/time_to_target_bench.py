@@ -1,0 +1,169 @@
+"""``nobubble bench time-to-target`` as one library call: ``run_race(RaceConfig(...))``.
+
+The race's settings are the demo's (mini, Muon, P=2 on two processes, M=4) with the caller's
+``nobubble train`` flags after them; the race includes every synchronous schedule the runtime
+trains there. It optionally tunes every contestant's lr first, checks the projected clock
+against the measured one (P=2), carries a checked race's error bars onto a projected race
+(P >= 4), trains an equal-budget race after the equal-steps one, and draws the loss against the
+training clock (``loss-vs-time-P{P}.png`` in the race's folder).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nobubble.app.time_to_target import (
+    BASELINE,
+    Variant,
+    dir_name,
+    parse_variants,
+    train_config,
+    transfer_seconds,
+)
+from nobubble.app.time_to_target_race import (
+    EMULATED,
+    RaceOptions,
+    equal_budget,
+    race,
+    summarize,
+    sync_contestants,
+)
+from nobubble.app.time_to_target_report import plot_curves
+from nobubble.app.time_to_target_tune import Tune
+
+
+@dataclass(frozen=True)
+class RaceConfig:
+    """A race as ``nobubble bench time-to-target`` spells it (see its --help).
+
+    projection_from: a checked race's JSON whose projection errors become this (projected)
+    race's error bars; transfers: charge each hop the send cost measured there.
+    """
+
+    variants: str = "1f1b,paci,2bw"
+    seeds: tuple[int, ...] = (0, 1, 2)
+    steps: int = 150
+    rounds: int = 3
+    eval_every: int = 0  # 0: a fifth of a round
+    train: tuple[str, ...] = ()
+    equal_budget: bool = False
+    sync: bool = True  # race every synchronous schedule the runtime trains at this P and M
+    check_projection: bool = False
+    projection_from: Path | None = None
+    transfers: bool = False
+    tune: Tune | None = None
+    out: Path = field(default_factory=lambda: Path("runs/time-to-target"))
+    progress: bool = True
+
+
+def base_flags(cfg: RaceConfig) -> tuple[list[str], int]:
+    """The runs' ``nobubble train`` flags (the demo's, then the caller's) and the evaluation
+    interval, refused where evaluations would miss the rounds' drain points."""
+    from nobubble.app.demo import demo_flags, eval_every
+
+    every = cfg.eval_every or eval_every(cfg.steps, cfg.rounds)
+    if (cfg.steps // cfg.rounds) % every:
+        raise ValueError(
+            f"--eval-every {every} does not divide a round of {cfg.steps // cfg.rounds} steps: "
+            "evaluations must fall on the rounds' drain points too"
+        )
+    return [*demo_flags(cfg.steps, cfg.rounds), "--eval-every", str(every), *cfg.train], every
+
+
+def options(cfg: RaceConfig, runtime: str) -> RaceOptions:
+    """The race's options, refused where they cannot work, before any run starts."""
+    if cfg.check_projection and runtime != "dist":
+        raise ValueError(
+            "--check-projection compares the projected clock with a measured one: give "
+            "--runtime dist (the default), not --runtime emulate"
+        )
+    if cfg.transfers and cfg.projection_from is None:
+        raise ValueError(
+            "--transfers uses a checked race's measured send cost: give --projection-from FILE"
+        )
+    check = None
+    if cfg.projection_from is not None:
+        saved = json.loads(Path(cfg.projection_from).read_text())
+        check = saved.get("projection_check") or saved.get("equal_steps", {}).get(
+            "projection_check"
+        )
+        if check is None:
+            raise ValueError(
+                f"--projection-from {cfg.projection_from} holds no projection check: give the "
+                "JSON of a race run with --check-projection"
+            )
+    transfer_s = check["transfer_s"] if check is not None and cfg.transfers else 0.0
+    return RaceOptions(cfg.check_projection, transfer_s, check, cfg.tune)
+
+
+def run_race(cfg: RaceConfig) -> dict[str, Any]:
+    """Train the race (and the equal-budget one), check the projection, draw the curves."""
+    base, every = base_flags(cfg)
+    train = train_config(base)
+    names, skipped = sync_contestants(base) if cfg.sync else ([], {})
+    variants = parse_variants(cfg.variants, names)
+    opts = options(cfg, train.runtime)
+    out, seeds = Path(cfg.out), list(cfg.seeds)
+    if cfg.equal_budget:
+        quantum = cfg.rounds * every  # whole rounds of whole evaluation intervals
+        args = (out, base, variants, seeds, cfg.steps, cfg.rounds, quantum, cfg.progress, opts)
+        result = equal_budget(*args)
+        races = {"equal steps": result["equal_steps"], "equal budget": result["equal_budget"]}
+    else:
+        result = race(out, base, variants, seeds, cfg.steps, cfg.rounds, cfg.progress, opts)
+        races = {"equal steps": result}
+    first = races["equal steps"]
+    if cfg.check_projection:
+        first["projection_check"] = check_projection(out, variants, seeds, first)
+    title = f"P={train.stages}, M={train.microbatches}, {train.optimizer}, seeds {seeds}"
+    figure = plot_curves(races, title, out / f"loss-vs-time-P{train.stages}.png")
+    for one in races.values():
+        one |= {"stages": train.stages, "microbatches": train.microbatches, "skipped": skipped}
+        one["figure"] = str(figure)
+    return result
+
+
+def _errors(measured: Mapping[str, Any], projected: Mapping[str, Any]) -> dict[str, Any]:
+    """Per variant: the projected over the measured training time, and over the measured ratio
+    of it to the best synchronous schedule's and 1f1b's (medians over seeds), less 1."""
+    out = {}
+    for label, row in measured["variants"].items():
+        twin = projected["variants"][label]["seeds"]
+        errors: dict[str, list[float]] = {"time": [], "vs_best": [], "vs_1f1b": []}
+        for s, r in row["seeds"].items():
+            p = twin[s]
+            errors["time"].append(p["train_s"] / r["train_s"] - 1)
+            for name, base in (("vs_best", measured["baseline"]), ("vs_1f1b", BASELINE)):
+                m_ratio = r["train_s"] / measured["variants"][base]["seeds"][s]["train_s"]
+                p_ratio = p["train_s"] / projected["variants"][base]["seeds"][s]["train_s"]
+                errors[name].append(p_ratio / m_ratio - 1)
+        out[label] = {k: statistics.median(v) for k, v in errors.items()}
+    return out
+
+
+def check_projection(
+    out: Path, variants: Sequence[Variant], seeds: Sequence[int], measured: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The projection against the measured clock of the same runs: the losses must agree, and
+    each variant's error with transfers free and with the measured send cost per hop."""
+    transfer = statistics.median(
+        transfer_seconds(out / f"seed{s}" / dir_name(v.label)) for s in seeds for v in variants
+    )
+    free = summarize(out, variants, seeds, RaceOptions(), under=EMULATED)
+    paid = summarize(out, variants, seeds, RaceOptions(transfer_s=transfer), under=EMULATED)
+    gap = max(
+        abs(free["variants"][v.label]["seeds"][s]["final_val"] - r["final_val"])
+        for v in variants
+        for s, r in measured["variants"][v.label]["seeds"].items()
+    )
+    return {
+        "loss_difference": gap,  # 0: the emulated runs are the measured ones, loss for loss
+        "transfer_s": transfer,
+        "free": _errors(measured, free),
+        "with_transfers": _errors(measured, paid),
+    }
