@@ -59,11 +59,12 @@ def torch_rows(schedule: Schedule) -> list[list[str]]:
     info = SCHEDULES.get(schedule.name)
     rules = (schedule.forward_rule, schedule.backward_rule)
     if (info is not None and not info.synchronous) or rules != ("current", "current"):
+        sync = ", ".join(n for n, i in SCHEDULES.items() if i.synchronous)
         raise TorchCsvError(
             f"schedule {schedule.name!r} is asynchronous (forward={rules[0]}, "
-            f"backward={rules[1]}): its weight rules have no column in torch's CSV format, which "
-            "runs one flushed batch per step; write a synchronous schedule (gpipe, 1f1b, "
-            "interleaved-1f1b, zb-h1, zbv, ...)"
+            f"backward={rules[1]}, steps between a micro-batch's forward and backward): its "
+            "weight rules have no column in torch's CSV format, which runs one flushed batch "
+            f"per step; write a synchronous schedule ({sync})"
         )
     return [[str(a) for a in _one_batch(schedule, r)] for r in range(schedule.num_ranks)]
 

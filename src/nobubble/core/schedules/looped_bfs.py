@@ -11,9 +11,9 @@ ScheduleLoopedBFS rank by rank (tests/test_dualpipev.py).
 
 Preconditions: P >= 1 ranks, v >= 2 stages per rank (v = 1 is GPipe with backwards newest
 first), M >= 1. Guarantees: batch j runs at version j on every stage (plain gradient
-accumulation); rank r holds all vM stage-micro-batches of the batch at the turn (GPipe's M
-whole micro-batches); with F and B balanced over stages and free transfers the bubble is
-GPipe's on v·P stages folded onto P ranks. Every step is a drain point.
+accumulation, with a stage's gradients summed newest first); rank r holds all vM
+stage-micro-batches of the batch at the turn (GPipe's M whole micro-batches). Every step is a
+drain point.
 """
 
 from __future__ import annotations
