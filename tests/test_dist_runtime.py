@@ -119,11 +119,11 @@ def test_dist_paci_with_fewer_microbatches_than_stages_matches_the_emulator(corp
 )
 def test_dist_runs_a_v_two_stages_per_rank_as_the_emulator_does(corpus, tmp_path, schedule, strict):
     """zbv (and dualpipev, the other V) on 2 ranks (4 stages in a V: rank 0 holds the first
-    and the last stage, so it writes the metrics) at M = 2P, under NCCL's rules and under gloo's eager posting: each rank
-    posts its receives in the sender's order, validation crosses the V, each rank writes its 2
-    checkpoint parts, and the metrics (val_loss included), all 4 parts and the closing text
-    sample (drawn on rank 0, which holds the last stage, and sent to rank 1) are bitwise the
-    emulator's."""
+    and the last stage, so it writes the metrics) at M = 2P, under NCCL's rules and under
+    gloo's eager posting: each rank posts its receives in the sender's order, validation crosses
+    the V, each rank writes its 2 checkpoint parts, and the metrics (val_loss included), all 4
+    parts and the closing text sample (drawn on rank 0, which holds the last stage, and sent to
+    rank 1) are bitwise the emulator's."""
     flags = small_flags(
         corpus,
         schedule,
