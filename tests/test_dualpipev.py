@@ -128,6 +128,17 @@ def test_dualpipev_bubble_against_dualpipes_formula(p):
         assert idle[0] == pytest.approx(idle_per_rank("zbv", p, m, unit)[0])
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_looped_bfs_bubble_is_interleaved_1f1bs_from_m_p(p):
+    """Breadth first, all forwards of a stage then the next: (P-1)/(vM+P-1) once M >= P, with
+    vM micro-batch halves (v = 2) or thirds held per rank, against interleaved's fewer."""
+    for v, m in itertools.product((2, 3), range(p, 3 * p + 1)):
+        schedule = build_schedule("looped-bfs", p, m, 1, virtual_stages=v)
+        metrics = simulate(schedule, CostModel(fwd=1.0, bwd=2.0)).metrics
+        assert metrics.bubble_share == pytest.approx((p - 1) / (v * m + p - 1)), (v, m)
+        assert rank_peak_inflight(schedule) == [v * m] * p
+
+
 def test_the_communication_plan_completes_under_nccl_rules():
     """What the multi-process runtime runs: every message meets its peer's, with and without
     global clipping and drain points (tests/test_comm.py's check for the other V and loop)."""

@@ -12,8 +12,9 @@ ScheduleLoopedBFS rank by rank (tests/test_dualpipev.py).
 Preconditions: P >= 1 ranks, v >= 2 stages per rank (v = 1 is GPipe with backwards newest
 first), M >= 1. Guarantees: batch j runs at version j on every stage (plain gradient
 accumulation, with a stage's gradients summed newest first); rank r holds all vM
-stage-micro-batches of the batch at the turn (GPipe's M whole micro-batches). Every step is a
-drain point.
+stage-micro-batches of the batch at the turn (GPipe's M whole micro-batches); with F and B
+balanced over the stages, free transfers and M >= P, bubble share (P-1)/(vM+P-1), interleaved
+1F1B's. Every step is a drain point.
 """
 
 from __future__ import annotations
