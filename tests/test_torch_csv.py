@@ -14,7 +14,7 @@ import itertools
 import pytest
 
 from nobubble.cli import main
-from nobubble.core.ir import Schedule, ScheduleError
+from nobubble.core.ir import Action, Schedule, ScheduleError
 from nobubble.core.schedules import SCHEDULES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 from nobubble.core.torch_csv import (
@@ -24,6 +24,7 @@ from nobubble.core.torch_csv import (
     to_torch_csv,
     validate_torch_csv,
 )
+from nobubble.core.validate import validate
 
 SYNC = [name for name, info in SCHEDULES.items() if info.synchronous]
 ASYNC = [name for name, info in SCHEDULES.items() if not info.synchronous]
@@ -80,6 +81,19 @@ def test_a_schedule_whose_batches_differ_is_refused():
     bad = Schedule(**{**schedule.__dict__, "ranks": (tuple(swapped), schedule.ranks[1])})
     with pytest.raises(TorchCsvError, match="rank 0 runs batch 1 in another order"):
         to_torch_csv(bad)
+
+
+def test_a_stage_may_step_before_its_ranks_other_stage_finishes():
+    """Rank 1 of zbv at P=2 holds stages 1 and 2; stage 2's step moved to right after its
+    last W, before stage 1's last Ws, is the same batch per step: same rows."""
+    schedule = build_schedule("zbv", 2, 4, 2)
+    order = [a for a in schedule.ranks[1] if str(a) != "2STEP1"]
+    last_w = max(i for i, a in enumerate(order) if str(a) == "2W3")
+    order.insert(last_w + 1, Action(2, "STEP", 1))
+    early = Schedule(**{**schedule.__dict__, "ranks": (schedule.ranks[0], tuple(order))})
+    assert early != schedule
+    validate(early)
+    assert to_torch_csv(early) == to_torch_csv(schedule)
 
 
 # ----- torch's own orders -------------------------------------------------------------------------

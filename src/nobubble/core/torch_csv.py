@@ -37,6 +37,7 @@ from pathlib import Path
 from nobubble.core.ir import STEP, Action, B, F, I, Schedule, ScheduleError, W
 from nobubble.core.placement import PLACEMENTS, Placement
 from nobubble.core.schedules import SCHEDULES
+from nobubble.core.validate import ScheduleValidationError, validate
 
 # torch's action kinds that carry no compute nobubble schedules: data-parallel and FSDP hooks, and
 # the communication of the "compute_comms" form (nobubble derives its own transfers).
@@ -70,21 +71,22 @@ def torch_rows(schedule: Schedule) -> list[list[str]]:
 
 
 def _one_batch(schedule: Schedule, rank: int) -> list[Action]:
-    """Rank ``rank``'s batch 0 without STEPs, after checking every batch repeats it shifted."""
+    """Rank ``rank``'s batch 0 without STEPs, after checking that each stage runs batch j
+    between its steps j and j+1 and every batch repeats batch 0 shifted (``schedule`` valid)."""
     M, order = schedule.num_microbatches, schedule.ranks[rank]
     batches: list[list[Action]] = [[] for _ in range(schedule.num_steps)]
-    steps_done = 0
+    steps_done: Counter[int] = Counter()  # per stage
     for pos, action in enumerate(order):
         if action.kind == STEP:
-            steps_done = max(steps_done, action.number)
+            steps_done[action.stage] = action.number
             continue
         batch = action.number // M
-        if batch != steps_done and steps_done < len(batches):
+        if batch != steps_done[action.stage]:
             raise TorchCsvError(
                 f"schedule {schedule.name!r} is not one flushed batch per step: rank {rank}, "
                 f"position {pos} ({action}) runs micro-batch {action.number} of batch {batch} "
-                f"after {steps_done} step(s); torch's CSV format runs each batch between two "
-                "steps, so only synchronous schedules can be written"
+                f"after {steps_done[action.stage]} step(s) of its stage; torch's CSV format "
+                "runs each batch between two steps, so only synchronous schedules can be written"
             )
         batches[batch].append(action)
     first = batches[0]
@@ -242,13 +244,20 @@ def from_torch_csv(
     return schedule
 
 
-def load_torch_csv(path: str | Path, num_steps: int = 1, **kwargs: object) -> Schedule:
-    """Read and validate the torch CSV file ``path`` (named after the file)."""
+def load_torch_csv(
+    path: str | Path,
+    num_steps: int = 1,
+    num_microbatches: int | None = None,
+    placement: str | None = None,
+) -> Schedule:
+    """Read the torch CSV file ``path`` as ``from_torch_csv`` does, named after the file, and
+    validate it (``validate_torch_csv``)."""
     path = Path(path)
     if not path.is_file():
         raise TorchCsvError(f"torch CSV file {str(path)!r} does not exist")
-    kwargs.setdefault("name", path.stem)
-    schedule = from_torch_csv(path.read_text(), num_steps=num_steps, **kwargs)  # type: ignore[arg-type]
+    schedule = from_torch_csv(
+        path.read_text(), path.stem, num_steps, num_microbatches, placement=placement
+    )
     validate_torch_csv(schedule)
     return schedule
 
@@ -256,8 +265,6 @@ def load_torch_csv(path: str | Path, num_steps: int = 1, **kwargs: object) -> Sc
 def validate_torch_csv(schedule: Schedule) -> None:
     """``validate``, with a failure also named by torch's coordinates: rank, step (the cell's
     column, counting idle cells, as torch's ``_format_pipeline_order`` numbers them) and cell."""
-    from nobubble.core.validate import ScheduleValidationError, validate
-
     try:
         validate(schedule)
     except ScheduleValidationError as err:
