@@ -15,6 +15,9 @@ import itertools
 import pytest
 
 from nobubble.core.comm import check_communication
+from nobubble.core.comm_ops import RECV
+from nobubble.core.deps import sends_after
+from nobubble.core.ir import Schedule
 from nobubble.core.ledger import build_ledger, rank_peak_inflight
 from nobubble.core.schedules import SCHEDULES, build_schedule
 from nobubble.core.schedules.bounds import rank_peak_inflight as rank_peak_bound
@@ -139,13 +142,33 @@ def test_looped_bfs_bubble_is_interleaved_1f1bs_from_m_p(p):
         assert rank_peak_inflight(schedule) == [v * m] * p
 
 
+def held_receives(schedule: Schedule, plans: list) -> int:
+    """Most receives a rank has posted whose consumer has not run yet (buffered tensors)."""
+    most = 0
+    for rank, batches in enumerate(plans):
+        index = {a: i for i, a in enumerate(schedule.ranks[rank])}
+        change = [0] * (len(index) + 1)
+        for batch in batches:
+            for op in batch.ops:
+                if op.kind == RECV:
+                    change[batch.position] += 1
+                    change[index[sends_after(op.message, schedule.num_stages)]] -= 1
+        most = max(most, *itertools.accumulate(change))
+    return most
+
+
 def test_the_communication_plan_completes_under_nccl_rules():
     """What the multi-process runtime runs: every message meets its peer's, with and without
-    global clipping and drain points (tests/test_comm.py's check for the other V and loop)."""
+    global clipping and drain points (tests/test_comm.py's check for the other V and loop).
+    Receives posted ahead of their consumer hold at most 2 boundary tensors per rank under
+    dualpipev, and M-P under looped-bfs (its forwards of a batch arrive before they run)."""
     for name, p, v in itertools.product(("dualpipev", "looped-bfs"), (2, 3), (2, 3)):
         if name == "dualpipev" and v != 2:
             continue
-        for m in {2 * p, 3 * p} if name == "dualpipev" else {1, p, 2 * p}:
+        for m in {2 * p, 4 * p} if name == "dualpipev" else {1, p, 2 * p, 4 * p}:
             schedule = build_schedule(name, p, m, 3, virtual_stages=v)
             for clip, points in ((False, [3]), (True, [1, 2, 3])):
-                assert len(check_communication(schedule, clip, points)) == p
+                plans = check_communication(schedule, clip, points)
+                assert len(plans) == p
+                held = held_receives(schedule, plans)
+                assert held == (2 if name == "dualpipev" else max(0, m - p)), (name, p, m, v)
