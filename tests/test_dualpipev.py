@@ -161,7 +161,7 @@ def test_the_communication_plan_completes_under_nccl_rules():
     """What the multi-process runtime runs: every message meets its peer's, with and without
     global clipping and drain points (tests/test_comm.py's check for the other V and loop).
     Receives posted ahead of their consumer hold at most 2 boundary tensors per rank under
-    dualpipev, and M-P under looped-bfs (its forwards of a batch arrive before they run)."""
+    dualpipev, and max(0, M-P) under looped-bfs."""
     for name, p, v in itertools.product(("dualpipev", "looped-bfs"), (2, 3), (2, 3)):
         if name == "dualpipev" and v != 2:
             continue
