@@ -159,6 +159,7 @@ def test_torchs_1f1b_order_is_refused_naming_its_last_rank():
         ("0F0,0B\n", r"rank 0, step 1, cell '0B': B needs a micro-batch index"),
         ("0F0,(0F1;0B0)OVERLAP\n", r"composite kind 'OVERLAP' is not OVERLAP_F_B"),
         ("\n\n", r"no rows"),
+        ("0REDUCE_GRAD\n", r"no forward or backward in any row"),
         ("0F0,0B0\n0F0,0B0\n", r"\(rank 0: 0; rank 1: 0\) fit no placement"),
     ],
 )

@@ -187,6 +187,8 @@ def infer_placement(rows: Sequence[Sequence[Action]], kind: str | None = None) -
     S = max((s for stages in seen for s in stages), default=-1) + 1
     if kind is not None and kind not in PLACEMENTS:
         raise TorchCsvError(f"placement {kind!r} is not one of {', '.join(PLACEMENTS)}")
+    if S == 0:
+        raise TorchCsvError("torch CSV: no forward or backward in any row")
     for candidate in (kind,) if kind else ("one", "v", "loop"):
         if S % P or (candidate == "one" and S != P) or (candidate == "v" and S != 2 * P):
             continue
