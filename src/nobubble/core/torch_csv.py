@@ -223,7 +223,10 @@ def from_torch_csv(
     if not isinstance(num_steps, int) or num_steps < 1:
         raise TorchCsvError(f"the number of steps must be an integer >= 1, got {num_steps!r}")
     if M < 1:
-        raise TorchCsvError("torch CSV: no forward or backward in any row")
+        raise TorchCsvError(
+            f"torch CSV: M={M}; give at least one micro-batch (every micro-batch runs one "
+            "forward on every stage)"
+        )
     ranks = []
     for r, row in enumerate(rows.actions):
         order: list[Action] = []
