@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _api_reference import Problem, run_pipeline
+from _api_reference import M, Problem, run_pipeline
 from nobubble.app.ranks.launch import free_port
 from test_api import batch, loss_fn
 
@@ -74,10 +74,16 @@ torch.save(saved, f"{out}/rank{pipe.rank}.pt")
 pipe.close()
 """
 
-# Several stages per rank: interleaved-1f1b (v=2) and zbv, P=2 and P=3, one launch per P; each
-# run under NCCL's rules and under eager posting, with global clipping and a drain point, then
-# evaluated.
-MULTI_STAGE = ["interleaved-1f1b", "zbv"]
+# Several stages per rank: interleaved-1f1b (v=2), zbv, looped-bfs (v=2) and dualpipev (P=2
+# only: it needs M >= 2P), P=2 and P=3, one launch per P; each run under NCCL's rules and under
+# eager posting, with global clipping and a drain point, then evaluated.
+MULTI_STAGE = ["interleaved-1f1b", "zbv", "looped-bfs"]
+V_LAST_ON_RANK_0 = ("zbv", "dualpipev")  # the V's last stage is on rank 0
+
+
+def multi_stage(ranks: int) -> list[str]:
+    return MULTI_STAGE + (["dualpipev"] if 2 * ranks <= M else [])
+
 
 MULTI_STAGE_SCRIPT = """
 import json, sys, torch
@@ -326,23 +332,24 @@ def test_every_schedule_under_either_transport_equals_the_emulated_pipeline(stag
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_several_stages_per_rank_equal_the_emulated_pipeline(ranks, tmp_path):
-    """interleaved-1f1b (v=2) and zbv: each rank runs 2 stages, posts its receives in the
-    sender's order (some early, buffered until their consumer runs) and hands its own stages'
-    activations over locally. Under NCCL's rules (strict) and under gloo's eager posting, the
-    path users run (a batch of several receives is waited for once per message: gloo's second
-    wait on a completed receive hung until the timeout), with the global norm gathered and a
-    drain in the middle: losses, every stage's weights, evaluate (returned by the rank of the
-    last stage: rank 0 under zbv's V) and the merged state are bitwise the emulator's."""
+    """interleaved-1f1b (v=2), zbv, looped-bfs and dualpipev: each rank runs 2 stages, posts
+    its receives in the sender's order (some early, buffered until their consumer runs) and
+    hands its own stages' activations over locally. Under NCCL's rules (strict) and under
+    gloo's eager posting, the path users run (a batch of several receives is waited for once
+    per message: gloo's second wait on a completed receive hung until the timeout), with the
+    global norm gathered and a drain in the middle: losses, every stage's weights, evaluate
+    (returned by the rank of the last stage: rank 0 under the V) and the merged state are
+    bitwise the emulator's."""
     (tmp_path / "multi.py").write_text(MULTI_STAGE_SCRIPT)
-    args = [str(tmp_path / "multi.py"), str(ranks), str(tmp_path), json.dumps(MULTI_STAGE)]
+    args = [str(tmp_path / "multi.py"), str(ranks), str(tmp_path), json.dumps(multi_stage(ranks))]
     launch(tmp_path, ranks, args)
     torch.set_num_threads(1)
     problem = DEEP
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks)]
-    for schedule in MULTI_STAGE:
+    for schedule in multi_stage(ranks):
         pipe, losses, _ = run_pipeline(problem, schedule, 2 * ranks, 4, 2, clip=0.5)
         last = pipe.schedule.placement.rank_of(2 * ranks - 1)
-        assert last == (0 if schedule == "zbv" else ranks - 1)
+        assert last == (0 if schedule in V_LAST_ON_RANK_0 else ranks - 1)
         expected_val = pipe.evaluate(*problem.batch(99))
         merged = pipe.merged_state_dict()
         for rank, transport in itertools.product(range(ranks), ("strict", "eager")):

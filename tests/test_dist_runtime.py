@@ -114,16 +114,25 @@ def test_dist_paci_with_fewer_microbatches_than_stages_matches_the_emulator(corp
     assert numbers(read_metrics(dist_dir)) == numbers(read_metrics(emu_dir))
 
 
-@pytest.mark.parametrize("strict", ["true", "false"])
-def test_dist_runs_zbv_two_stages_per_rank_as_the_emulator_does(corpus, tmp_path, strict):
-    """zbv on 2 ranks (4 stages in a V: rank 0 holds the first and the last stage, so it
-    writes the metrics) at M = 2P, under NCCL's rules and under gloo's eager posting: each rank
-    posts its receives in the sender's order, validation crosses the V, each rank writes its 2
-    checkpoint parts, and the metrics (val_loss included), all 4 parts and the closing text
-    sample (drawn on rank 0, which holds the last stage, and sent to rank 1) are bitwise the
-    emulator's."""
+@pytest.mark.parametrize(
+    ("schedule", "strict"), [("zbv", "true"), ("zbv", "false"), ("dualpipev", "true")]
+)
+def test_dist_runs_a_v_two_stages_per_rank_as_the_emulator_does(corpus, tmp_path, schedule, strict):
+    """zbv (and dualpipev, the other V) on 2 ranks (4 stages in a V: rank 0 holds the first
+    and the last stage, so it writes the metrics) at M = 2P, under NCCL's rules and under
+    gloo's eager posting: each rank posts its receives in the sender's order, validation crosses
+    the V, each rank writes its 2 checkpoint parts, and the metrics (val_loss included), all 4
+    parts and the closing text sample (drawn on rank 0, which holds the last stage, and sent to
+    rank 1) are bitwise the emulator's."""
     flags = small_flags(
-        corpus, "zbv", 2, microbatches=4, steps=4, eval_every=2, dist_timeout=30, sample_tokens=12
+        corpus,
+        schedule,
+        2,
+        microbatches=4,
+        steps=4,
+        eval_every=2,
+        dist_timeout=30,
+        sample_tokens=12,
     )
     emu = emulate(flags, tmp_path / "emulated")
     run = launch([*flags, "--strict-p2p", strict], tmp_path / "dist")

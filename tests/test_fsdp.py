@@ -422,4 +422,4 @@ def test_the_cases_cover_every_schedule_data_parallelism_runs():
     from nobubble.core.schedules import SCHEDULES
 
     ran = {schedule for _, schedule, _ in CASES.values()}
-    assert ran == set(SCHEDULES) - {"interleaved-1f1b", "zbv"}
+    assert ran == set(SCHEDULES) - {"interleaved-1f1b", "zbv", "dualpipev", "looped-bfs"}

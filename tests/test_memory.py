@@ -53,8 +53,12 @@ def test_saved_bytes_match_what_autograd_saves(cfg, dtype):
 
 def test_peak_inflight_and_versions_bound_the_ledger():
     for name, p, m, n in itertools.product(SCHEDULE_NAMES, range(1, 6), range(1, 6), (1, 3)):
-        if (name == "2bw" and m < p - 1) or (name == "interleaved-1f1b" and m % max(1, m // p)):
-            continue  # 2bw needs M >= P-1, interleaved-1f1b whole rounds of M
+        if (
+            (name == "2bw" and m < p - 1)
+            or (name == "interleaved-1f1b" and m % max(1, m // p))
+            or (name == "dualpipev" and m < 2 * p)
+        ):
+            continue  # 2bw needs M >= P-1, interleaved-1f1b whole rounds of M, dualpipev M >= 2P
         info = SCHEDULES[name]
         accum = m if info.uses_accum else None
         schedule = build_schedule(name, p, m, n, accum=accum)

@@ -31,6 +31,8 @@ def make(name: str, p: int, m: int, n: int, a: int | None = None) -> Schedule:
         m = max(m, p - 1)
     if name == "interleaved-1f1b" and m >= p:
         m -= m % p  # rounds of P micro-batches
+    if name == "dualpipev":
+        m = max(m, 2 * p)  # at least as many micro-batches as stages
     schedule = build_schedule(name, p, m, n, accum=a)
     validate(schedule)
     return schedule

@@ -197,7 +197,14 @@ def test_benchmark_peer_rejects_a_nobubble_schedule(cfg):
 # ----- the zero-bubble and interleaved peers (several stages per rank, split backwards) ---------
 # Runs on each of the 2 ranks: argv = config JSON, output folder. Each torch schedule trains the
 # config's steps from the same initial weights; the rank holding the last stage has the losses.
-NEW_PEERS = ("torch-zb-h1", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
+NEW_PEERS = (
+    "torch-zb-h1",
+    "torch-interleaved-1f1b",
+    "torch-interleaved-zb",
+    "torch-zbv",
+    "torch-dualpipev",
+    "torch-looped-bfs",
+)
 PEERS_SIDE = """
 import json, sys
 import torch, torch.distributed as dist
@@ -278,7 +285,8 @@ def emulator_losses(cfg: TrainConfig, schedule: str, out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def emulated(steps3, tmp_path_factory) -> dict[str, list[float]]:
     out = tmp_path_factory.mktemp("emulated")
-    return {s: emulator_losses(steps3, s, out) for s in ("zb-h1", "interleaved-1f1b", "zbv")}
+    twins = ("zb-h1", "interleaved-1f1b", "zbv", "dualpipev", "looped-bfs")
+    return {s: emulator_losses(steps3, s, out) for s in twins}
 
 
 @pytest.mark.parametrize(
@@ -288,6 +296,8 @@ def emulated(steps3, tmp_path_factory) -> dict[str, list[float]]:
         ("torch-interleaved-1f1b", "interleaved-1f1b", [[0, 2], [1, 3]]),  # loop: r, r+P
         ("torch-interleaved-zb", "interleaved-1f1b", [[0, 2], [1, 3]]),
         ("torch-zbv", "zbv", [[0, 3], [1, 2]]),  # V: r, 2P-1-r
+        ("torch-dualpipev", "dualpipev", [[0, 3], [1, 2]]),
+        ("torch-looped-bfs", "looped-bfs", [[0, 2], [1, 3]]),
     ],
 )
 def test_zero_bubble_and_interleaved_peer_losses_equal_the_emulator_bitwise(
@@ -312,6 +322,7 @@ def test_zero_bubble_and_interleaved_peer_losses_equal_the_emulator_bitwise(
         ("torch-interleaved-1f1b", ("B",)),
         ("torch-interleaved-zb", ("I", "W")),
         ("torch-zbv", ("I", "W")),
+        ("torch-looped-bfs", ("B",)),
     ],
 )
 def test_zero_bubble_and_interleaved_peers_time_every_compute_action(
@@ -327,6 +338,18 @@ def test_zero_bubble_and_interleaved_peers_time_every_compute_action(
         assert spans == sorted(want)
 
 
+def test_the_dualpipev_peer_times_fused_and_split_backwards(steps3, peer_runs):
+    """torch's DualPipeV fuses most backwards (B) and splits the last ones (I, then W): per
+    stage and step, M forwards, M backwards B or I, a W for each I, one optimizer step."""
+    n, m = steps3.steps, steps3.microbatches
+    runs = peer_runs["torch-dualpipev"]
+    for stages, spans in zip(runs["stages"], runs["spans"], strict=True):
+        for s in stages:
+            count = {k: spans.count((s, k)) for k in ("F", "B", "I", "W", "STEP")}
+            assert count["F"] == count["B"] + count["I"] == n * m, (s, count)
+            assert count["W"] == count["I"] > 0 and count["STEP"] == n, (s, count)
+
+
 def test_torch_peers_refuse_an_m_their_schedule_cannot_take(cfg):
     from nobubble.app.ranks.torch_peer import peer_config
 
@@ -334,6 +357,9 @@ def test_torch_peers_refuse_an_m_their_schedule_cannot_take(cfg):
     for peer in ("torch-interleaved-1f1b", "torch-interleaved-zb"):
         with pytest.raises(ValueError, match=rf"{peer} .*M=5 .*--microbatches 4"):
             peer_config(bad, peer)
+    few = TrainConfig.from_mapping({"microbatches": 3}, base=cfg)
+    with pytest.raises(ValueError, match=r"torch-dualpipev .*M=3 < 2P=4 .*--microbatches 4"):
+        peer_config(few, "torch-dualpipev")
 
 
 def test_bench_refuses_a_model_too_shallow_for_v_times_p_stages_before_any_process():

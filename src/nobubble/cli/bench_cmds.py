@@ -200,8 +200,8 @@ def _add_runtime(bench: argparse._SubParsersAction) -> None:
         "--virtual-stages",
         type=positive_int,
         default=None,
-        help="stages per rank v of interleaved-1f1b and the torch-interleaved-* peers "
-        "(default 2; zbv and torch-zbv: always 2)",
+        help="stages per rank v of interleaved-1f1b, looped-bfs and their torch peers "
+        "(default 2; zbv, dualpipev and their torch peers: always 2)",
     )
     q.add_argument("--microbatches", type=positive_int, default=4)
     q.add_argument("--micro-batch-size", type=positive_int, default=8)

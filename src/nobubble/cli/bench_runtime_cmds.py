@@ -18,6 +18,8 @@ TORCH_PEERS = (
     "torch-interleaved-1f1b",
     "torch-interleaved-zb",
     "torch-zbv",
+    "torch-dualpipev",
+    "torch-looped-bfs",
 )
 
 

@@ -12,6 +12,7 @@ from nobubble.core.ledger import build_ledger
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule, schedule_info
 from nobubble.core.sim import CostModel, simulate
 from nobubble.core.sim.cost import parse_durations
+from nobubble.core.torch_csv import load_torch_csv, to_torch_csv
 from nobubble.core.validate import validate
 
 
@@ -71,12 +72,24 @@ def add_schedule_args(p: argparse.ArgumentParser, allow_all: bool = False) -> No
         default=None,
         help="read a (hand-written) schedule from a JSON file instead of generating one",
     )
+    p.add_argument(
+        "--from-torch-csv",
+        metavar="FILE",
+        default=None,
+        help="read a schedule in torch.distributed.pipelining's CSV format (one row per rank, "
+        "one batch; --steps repeats it, M and the placement come from the file)",
+    )
 
 
 def schedules_from_args(args: argparse.Namespace) -> list[Schedule]:
-    """Schedules named by --schedule (one name, a comma list, or all) or read from --from-json."""
+    """Schedules named by --schedule (one name, a comma list, or all) or read from --from-json
+    or --from-torch-csv."""
+    if args.from_json and args.from_torch_csv:
+        raise ValueError("give --from-json or --from-torch-csv, not both")
     if args.from_json:
         return [Schedule.load_json(args.from_json)]
+    if args.from_torch_csv:
+        return [load_torch_csv(args.from_torch_csv, num_steps=args.steps)]
     every = args.schedule == "all"
     names = list(SCHEDULE_NAMES) if every else [n.strip() for n in args.schedule.split(",")]
     out = []
@@ -151,9 +164,14 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 # ----- nobubble show -----------------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> int:
-    for schedule in schedules_from_args(args):
+    schedules = schedules_from_args(args)
+    if args.format == "torch-csv" and len(schedules) != 1:
+        raise ValueError("--format torch-csv writes one schedule: name one with --schedule")
+    for schedule in schedules:
         validate(schedule)
-        if args.format == "json":
+        if args.format == "torch-csv":
+            print(to_torch_csv(schedule), end="")
+        elif args.format == "json":
             print(json.dumps(schedule.to_json()))
         elif args.format == "text":
             print(schedule.to_text(), end="")
@@ -293,7 +311,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("show", help="print a schedule as a grid, text or JSON")
     add_schedule_args(p)
-    p.add_argument("--format", choices=["grid", "text", "json"], default="grid")
+    p.add_argument(
+        "--format",
+        choices=["grid", "text", "json", "torch-csv"],
+        default="grid",
+        help="torch-csv: torch.distributed.pipelining's compute-only CSV, one batch "
+        "(synchronous schedules only)",
+    )
     p.add_argument("--columns", type=positive_int, default=48, help="grid width in actions")
     p.set_defaults(func=cmd_show)
 

@@ -5,10 +5,10 @@ this machine, for ``steps`` optimizer steps of M micro-batches of B sequences: n
 schedules through ``nobubble train --runtime dist`` (validation only after the last step, so
 the asynchronous schedules never drain before it; pipedream and paci step every M backwards,
 so that every variant applies the same tokens per step), torch's schedules (``TORCH_SCHEDULES``:
-GPipe, 1F1B, ZB-H1, interleaved 1F1B, interleaved zero-bubble, ZBV) through
+GPipe, 1F1B, ZB-H1, interleaved 1F1B, interleaved zero-bubble, ZBV, DualPipeV, Looped BFS) through
 ``nobubble.app.ranks.torch_peer``. The schedules that hold several stages per rank
-(nobubble's interleaved-1f1b and zbv, torch's interleaved and ZBV) cut the model into v·P
-stages, v = ``virtual_stages`` for the interleaved ones (default 2) and 2 for the V ones, and
+(nobubble's interleaved-1f1b, looped-bfs, zbv and dualpipev, and their torch twins) cut the model
+into v·P stages, v = ``virtual_stages`` for the loop ones (default 2) and 2 for the V ones, and
 each torch schedule is cut as its nobubble twin. Rounds alternate the variants, so every ratio
 comes from the same conditions, and every other round runs them in reverse order
 (``round_order``), so that no variant always runs first (after a quiet spell, before a page
@@ -60,6 +60,8 @@ TORCH_TWINS = {
     "zb-h1": "torch-zb-h1",
     "interleaved-1f1b": "torch-interleaved-1f1b",
     "zbv": "torch-zbv",
+    "dualpipev": "torch-dualpipev",
+    "looped-bfs": "torch-looped-bfs",
 }
 
 

@@ -7,8 +7,10 @@ exactly), the same optimizer, lr schedule and global clipping; only the pipeline
 torch's. Each torch schedule runs beside the nobubble schedule with its placement and split
 (``TORCH_SCHEDULES``): ``ScheduleGPipe`` and ``Schedule1F1B`` one stage per rank;
 ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` v stages per rank in a loop
-(rank r holds r, r+P, ...), cut as nobubble's ``interleaved-1f1b`` cuts; ``ScheduleZBVZeroBubble``
-two per rank in a V (rank r holds r and 2P-1-r), cut as ``zbv``. A rank's stages each get their
+(rank r holds r, r+P, ...), cut as nobubble's ``interleaved-1f1b`` cuts, and ``ScheduleLoopedBFS``
+as ``looped-bfs``; ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` two per rank in a V (rank r
+holds r and 2P-1-r), cut as ``zbv`` and ``dualpipev`` (torch runs DualPipeV's overlapped pairs one
+action after the other, as nobubble does). A rank's stages each get their
 own ``PipelineStage`` and their own optimizer, as nobubble's workers do.
 
 The last stage returns logits because torch's schedules apply the loss themselves (``loss_fn =
@@ -44,9 +46,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -86,6 +90,8 @@ TORCH_SCHEDULES: dict[str, tuple[type[PipelineScheduleSingle | PipelineScheduleM
     "torch-interleaved-1f1b": (ScheduleInterleaved1F1B, "interleaved-1f1b"),
     "torch-interleaved-zb": (ScheduleInterleavedZeroBubble, "interleaved-1f1b"),
     "torch-zbv": (ScheduleZBVZeroBubble, "zbv"),
+    "torch-dualpipev": (ScheduleDualPipeV, "dualpipev"),
+    "torch-looped-bfs": (ScheduleLoopedBFS, "looped-bfs"),
 }
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 from nobubble.core.ir import Schedule, ScheduleError
 from nobubble.core.schedules import (
+    dualpipev,
     gpipe,
     interleaved_1f1b,
+    looped_bfs,
     one_f_one_b,
     paci,
     pipedream,
@@ -77,6 +79,29 @@ SCHEDULES: dict[str, ScheduleInfo] = {
             placement="v",
             default_virtual=2,
             check=zbv.check,
+        ),
+        ScheduleInfo(
+            dualpipev.NAME,
+            dualpipev.SUMMARY,
+            dualpipev.generate,
+            True,
+            False,
+            None,
+            split_backward=True,
+            placement="v",
+            default_virtual=2,
+            check=dualpipev.check,
+        ),
+        ScheduleInfo(
+            looped_bfs.NAME,
+            looped_bfs.SUMMARY,
+            looped_bfs.generate,
+            True,
+            False,
+            None,
+            placement="loop",
+            default_virtual=2,
+            check=looped_bfs.check,
         ),
     )
 }

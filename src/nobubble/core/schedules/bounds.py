@@ -9,10 +9,12 @@ the ledger.
 
 from __future__ import annotations
 
-from nobubble.core.ir import Action, B, F, ScheduleError
+from nobubble.core.ir import Action, B, F, ScheduleError, W
 from nobubble.core.schedules import (
+    dualpipev,
     gpipe,
     interleaved_1f1b,
+    looped_bfs,
     one_f_one_b,
     pipedream,
     two_bw,
@@ -86,6 +88,10 @@ def peak_inflight(
         return min(2 * P - stage, M)
     if name == interleaved_1f1b.NAME:  # no closed form per stage: walk one batch of its rank
         return _walk_peak(interleaved_1f1b.batch_order(P, M, 2, stage % P, 0), B, stage)
+    if name == dualpipev.NAME:  # walk one batch of the stage's rank (its V: r and 2P-1-r)
+        return _walk_peak(dualpipev.batch_order(P, M, min(stage, 2 * P - 1 - stage), 0), W, stage)
+    if name == looped_bfs.NAME:  # every forward of the batch before any backward, as GPipe
+        return M
     return min(P - stage, num_steps * M)  # 1F1B across batches
 
 
@@ -107,6 +113,10 @@ def rank_peak_inflight(
         )
     if name == zbv.NAME:  # 2P halves once M >= 2P-1: P whole micro-batches, 1F1B's stage 0
         return min(2 * P, 2 * M, M + rank + 1)
+    if name == dualpipev.NAME:  # DualPipe's PP+1 stage-micro-batches, PP = 2P stages
+        return 2 * P + 1
+    if name == looped_bfs.NAME:  # the whole batch on each of its v stages
+        return virtual_stages * M
     return peak_inflight(name, P, M, num_steps, rank)
 
 
