@@ -1,6 +1,6 @@
 """Time to target: how long each schedule trains until it reaches the synchronous baseline's loss.
 
-The measure users ask for ("does asynchrony get me there sooner?"), design.md section 6: the
+The measure users ask for ("does asynchrony get me there sooner?", docs/benchmarks.md): the
 target is the final validation loss of the baseline run (1f1b) of the same seed; a run's time to
 target is the first moment its validation loss is at or below it, interpolated linearly between
 two evaluations, on the training clock (wall seconds less validations and checkpoints; the

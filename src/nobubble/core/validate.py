@@ -1,4 +1,4 @@
-"""Validate a schedule before anything executes it (design.md section 2).
+"""Validate a schedule before anything executes it (the rules: docs/semantics.md, "Validator").
 
 Checks, per rank: actions belong to the rank's stages (as the placement says) and are executable
 kinds; every micro-batch has exactly one forward and one backward per stage (B, or I then W, never
