@@ -1,7 +1,7 @@
 """Independent references for the public API's oracles, on any model: a ``Problem`` names the
 model, its split, its data, its loss and its optimizer.
 
-Written from the semantics of design.md section 2 in plain PyTorch: gradient accumulation on
+Written from the semantics of docs/semantics.md in plain PyTorch: gradient accumulation on
 the unsplit model, the one-step delayed loop of 2BW, and _reference's per-stage live-weight loop
 over the simulator's global order (PACI). Nothing here imports ``nobubble.engine`` or
 ``nobubble.api.pipeline``; ``run_pipeline`` is the code under test, driven the way a user drives it.

@@ -1,7 +1,7 @@
 """Independent reference training loops for the emulator's oracle tests.
 
 Nothing here imports nobubble.engine: each loop is plain PyTorch on the unsplit model or on plain
-per-stage modules, written from the semantics of design.md section 2 (and the papers), so that a
+per-stage modules, written from the semantics of docs/semantics.md (and the papers), so that a
 bug in the worker, the weight versions or the interpreter cannot hide in both sides. The model,
 the optimizer factory, the schedules, the ledger and the simulator are used as given: they are
 not the code under test here and have their own tests.

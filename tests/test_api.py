@@ -1,6 +1,6 @@
 """The public API on a user's own model: ``nobubble.split`` and ``nobubble.Pipeline``.
 
-The references are plain PyTorch written here from the semantics (design.md section 2): gradient
+The references are plain PyTorch written here from the semantics (docs/semantics.md): gradient
 accumulation on the unsplit model, the one-step delayed loop of 2BW, and a per-stage loop over the
 simulator's global order that updates live weights in place (PACI). None of them imports
 ``nobubble.engine`` or ``nobubble.api.pipeline``.

@@ -102,3 +102,50 @@ def test_rounds_run_the_variants_in_alternating_order(monkeypatch, tmp_path):
     assert ran == forward + backward + forward + backward
     # each variant's rounds stay in round order: the pairs are still taken round by round
     assert out["1f1b"]["vs_torch_twin_rounds"] == [1.0] * 4
+
+
+def test_the_command_prints_the_setup_a_row_per_variant_and_the_pairs(
+    monkeypatch, tmp_path, capsys
+):
+    import nobubble.app.bench.runtime as br
+    from nobubble.cli import main
+
+    speeds = iter([100.0, 90.0, 80.0, 100.0, 90.0, 80.0])  # rounds: 1f1b, paci, torch; reversed
+
+    def fake(variant):
+        return {
+            "tokens_per_s": next(speeds),
+            "utilization": [0.5, 0.25] if variant != "torch-1f1b" else None,
+            "bubble": 0.3 if variant != "torch-1f1b" else None,
+            "peak_activation_bytes": [2**21, 2**22],
+            "last_loss": 1.5,
+        }
+
+    monkeypatch.setattr(br, "load_data", lambda cfg: None)
+    monkeypatch.setattr(br, "run_nobubble", lambda cfg, out, log, malloc: fake(cfg.schedule))
+    monkeypatch.setattr(br, "run_torch", lambda bench, variant, out, log: fake(variant))
+    monkeypatch.setattr(br.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
+    (tmp_path / "work").mkdir()
+    argv = ["bench", "runtime", "--model", "tiny", "--rounds", "2"]
+    assert main([*argv, "--schedule", "1f1b,paci,torch-1f1b"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("model tiny, P=2, M=4") and "2 alternating rounds" in lines[0]
+    assert "balance (lightest / heaviest)" in lines[1]
+    assert lines[2].split() == [
+        "variant",
+        "tokens_per_s",
+        "spread",
+        "vs_1f1b",
+        "vs_torch_1f1b",
+        "vs_torch_twin",
+        "utilization",
+        "bubble",
+        "peak_act_MB",
+        "last_loss",
+    ]
+    # 1f1b ran at 100 in round 1 and 80 in round 2 (the order reverses), torch at 80 then 100:
+    # medians 90 and 90, spread 20/90; paired by round 100/80 and 80/100
+    assert lines[3].split()[:6] == ["1f1b", "90", "0.2222", "1", "1", "1"]
+    assert lines[3].split()[6:] == ["0.5,0.25", "0.3", "2,4", "1.5"]
+    assert lines[5].split()[5:8] == ["-", "-", "-"]  # torch's own row: nothing to compare
+    assert lines[6].startswith("1f1b / torch-1f1b, paired by round: median 1.025, mean 1.025")

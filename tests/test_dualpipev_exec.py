@@ -1,5 +1,5 @@
 """DualPipeV and Looped BFS in the emulator: both are synchronous, so a run must equal plain
-gradient accumulation on the unsplit model, bitwise (design.md section 2).
+gradient accumulation on the unsplit model, bitwise (docs/semantics.md, "Executing them").
 
 DualPipeV runs every micro-batch's backward in forward order on each stage (FIFO), so its oracle
 is _api_reference's plain accumulation. Looped BFS runs a stage's backwards newest first, so

@@ -2,7 +2,7 @@
 
 Each test runs a schedule through nobubble.engine (workers, weight versions, interpreter,
 emulator) and compares its per-micro-batch losses and final weights with a loop written in
-tests/_reference.py from the semantics of design.md section 2, which never touches nobubble.engine:
+tests/_reference.py from the semantics of docs/semantics.md, which never touches nobubble.engine:
 - sync schedules (gpipe, 1f1b) == plain gradient accumulation on the unsplit model;
 - 2bw == the delayed-gradient loop x[j+1] = x[j] - u(g_j(x[j-1])) (with written-out EF);
 - pipedream == per-stage deep-copied weight versions; paci == live weights behind restored

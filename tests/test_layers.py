@@ -60,8 +60,10 @@ def modules(root: Path) -> dict[str, Path]:
 
 def imports_of(path: Path, root: Path, known: set[str]) -> list[tuple[int, str]]:
     """(line, module) for every import of the package in ``path`` (``torch`` ones too, as
-    ``torch``): ``from pkg import sub`` counts as the submodule, ``from pkg import name`` as
-    ``pkg``; the package itself (``import nobubble``) is ``__init__``."""
+    ``torch``): ``from pkg import sub`` counts as both ``pkg`` and the submodule, ``from pkg
+    import name`` as ``pkg``, ``from pkg.sub import name`` and ``import pkg.sub`` as the
+    submodule only (the way to reach a sibling from a module its package's __init__ imports);
+    the package itself (``import nobubble``) is ``__init__``."""
     package = root.name
     own = module_name(path, root)
     is_package = path.name == "__init__.py"
@@ -90,6 +92,10 @@ def imports_of(path: Path, root: Path, known: set[str]) -> list[tuple[int, str]]
             targets = [f"{stem}.{alias.name}" for alias in node.names]
         else:
             continue
+        if isinstance(node, ast.ImportFrom):
+            # ``from pkg import sub`` runs pkg's __init__ before it reads ``sub``: an import of
+            # the package too, so a package whose __init__ imports its importer is a circle
+            targets.append(stem)
         for target in targets:
             if target.split(".")[0] == "torch":
                 found.append((node.lineno, "torch"))
@@ -192,6 +198,7 @@ def test_no_import_circles():
 
 
 def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
+    """Including a circle through a package's __init__ (``from pkg import sub``)."""
     root = tmp_path / "nobubble"
     files = {
         "__init__.py": "",
@@ -203,12 +210,24 @@ def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
         "engine/w.py": "from nobubble.api.p import P\n",  # up from 2 to 4
         "api/__init__.py": "",
         "api/p.py": "from nobubble.engine import w\nP = 1\n",  # w <-> p
+        # a package whose __init__ imports a module that reaches a sibling through the package
+        "core/s/__init__.py": "from nobubble.core.s import bound, ok\n",
+        "core/s/g.py": "N = 1\n",
+        "core/s/bound.py": "from nobubble.core.s import g\n",  # runs s's __init__: s <-> bound
+        "core/s/ok.py": "import nobubble.core.s.g as g\nfrom nobubble.core.s.g import N\n",
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    assert cycles(import_graph(root)) == [["api.p", "engine.w"], ["core.a", "core.b"]]
-    assert import_graph(root)["core.c"] == {"core.a"}
+    graph = import_graph(root)
+    assert cycles(graph) == [
+        ["api.p", "engine.w"],
+        ["core.a", "core.b"],
+        ["core.s", "core.s.bound"],
+    ]
+    assert graph["core.c"] == {"core", "core.a"}
+    assert graph["core.s.bound"] == {"core.s", "core.s.g"}
+    assert graph["core.s.ok"] == {"core.s.g"}
     bad = upward(root)
     assert len(bad) == 2, bad
     assert "core/c.py:2 imports torch in layer 0" in bad

@@ -1,6 +1,6 @@
 """PACI with ``--paci-recompute`` against a reference written from its definition.
 
-Definition (arXiv 2606.07881 with the recompute route of design.md section 4, docs/numerics.md):
+Definition (arXiv 2606.07881 with the recompute route of docs/numerics.md, `--paci-recompute`):
 micro-batch m of batch j runs forward on stage s at the weights stage s holds then (version
 ``fwd_version``, which may be older than j by up to ceil((P-1-s)/a): the micro-batch crosses
 updates) and keeps only the stage

@@ -1,4 +1,4 @@
-"""Property tests of the generators against the closed forms of design.md section 2.
+"""Property tests of the generators against the closed forms of docs/semantics.md.
 
 The checks here recompute every quantity from the raw per-rank orders (counting, walking), not
 through the ledger, except where the ledger itself is under test; closed forms are the oracle.

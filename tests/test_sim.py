@@ -119,8 +119,51 @@ def test_validator_names_rank_position_and_reason(ranks, rank, position, reason)
         validate(schedule)
     err = info.value
     assert (err.rank, err.position) == (rank, position)
-    assert reason in str(err)
-    assert "rank 0" in str(err) and "[" in str(err)  # the grid with the marked cell
+    head = str(err).splitlines()[0]
+    assert f"rank {rank}, position {position}" in head and reason in head
+    order = schedule.ranks[rank]
+    expected = str(order[position]) if position < len(order) else None
+    assert _marked_cell(str(err)) == (rank, position, expected)
+
+
+def _marked_cell(message: str) -> tuple[int, int, str | None]:
+    """(rank, position, action) of the one bracketed cell of the grid in ``message``, read by its
+    column under the header of positions; the action is None for a cell past the rank's order."""
+    lines = message.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("pos "))
+    positions = [int(p) for p in lines[header][7:].split()]
+    width = len(lines[header][7:]) // len(positions)
+    marked = []
+    for line in lines[header + 1 :]:
+        if not line.startswith("rank "):
+            continue
+        rank = int(line[5:7])
+        cells = [line[7 + k * width : 7 + (k + 1) * width].strip() for k in range(len(positions))]
+        marked += [(rank, positions[k], c[1:-1]) for k, c in enumerate(cells) if c.startswith("[")]
+    assert len(marked) == 1, message
+    rank, position, text = marked[0]
+    return rank, position, None if text in (".", "?") else text
+
+
+@pytest.mark.parametrize("where", ["last step", "missing step"])
+def test_validator_grid_shows_the_failing_cell_of_a_long_order(where):
+    """The grid is cut to a window around the failure, which stays marked in its column."""
+    good = build_schedule("1f1b", 3, 16, 3)
+    ranks = [list(order) for order in good.ranks]
+    last = len(ranks[1]) - 1
+    if where == "last step":
+        ranks[1][last] = Action(1, "STEP", 4)
+    else:
+        del ranks[1][last]
+    bad = _bad([" ".join(map(str, order)) for order in ranks], "1f1b", m=16, n=3)
+    with pytest.raises(ScheduleValidationError) as info:
+        validate(bad)
+    message = str(info.value)
+    position = last if where == "last step" else len(ranks[1])
+    expected = "1STEP4" if where == "last step" else None
+    assert _marked_cell(message) == (1, position, expected)
+    assert f"of {len(ranks[0])})" in message  # the window says it is one
+    assert max(len(line) for line in message.splitlines()[1:]) < 160
 
 
 def test_deadlock_message_lists_what_each_rank_waits_for():

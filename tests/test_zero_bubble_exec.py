@@ -2,8 +2,8 @@
 
 interleaved-1f1b, zb-h1 and zbv are synchronous: every forward and backward of batch j reads
 version j, so a run must equal plain gradient accumulation on the unsplit model, bitwise, as
-gpipe and 1f1b do (design.md section 2). The references are _api_reference's, written in plain
-PyTorch without nobubble.engine or nobubble.api.pipeline. The split backward (I, then W) must
+gpipe and 1f1b do (docs/semantics.md, "Orders"). The references are _api_reference's, written in
+plain PyTorch without nobubble.engine or nobubble.api.pipeline. The split backward (I, then W) must
 also give exactly the weights of the fused B under the same order of forwards and backwards.
 """
 

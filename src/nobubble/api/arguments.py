@@ -107,7 +107,7 @@ def target_device(device: str | torch.device | None, runtime: str) -> torch.devi
 
 
 def fsdp_module() -> Any:
-    """Sharding within a stage (layer 2), imported only with shard="fsdp"."""
+    """Sharding within a stage (the runtime layer), imported only with shard="fsdp"."""
     from nobubble.runtime.distributed import fsdp
 
     return fsdp

@@ -56,7 +56,7 @@ class StepResult:
 
 
 def dist_runner() -> Any:
-    """The multi-process runner (layer 2), imported only when asked for."""
+    """The multi-process runner (the runtime layer), imported only when asked for."""
     from nobubble.runtime.distributed import runner
 
     return runner

@@ -91,7 +91,8 @@ def measure_costs(fused_run: Path, split_run: Path) -> MeasuredCosts:
         fwd=_mean_median(fused, ["F"]),
         bwd=_mean_median(fused, ["B"]),
         # from the stages whose input takes a gradient: the first stage's I is empty and its
-        # W the whole backward (exec.split); the simulator charges every stage these costs
+        # W the whole backward (engine/split_backward.py); the simulator charges every stage
+        # these costs
         bwd_input=_mean_median(split, ["I"], first=1),
         bwd_weight=_mean_median(split, ["W"], first=1),
         step=_mean_median(fused, ["STEP"]),

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING, Any
 
 from nobubble.cli.schedule_cmds import print_table
 from nobubble.core.schedules import SCHEDULE_NAMES
+
+if TYPE_CHECKING:  # the bench imports torch, which the parser does not load
+    from nobubble.app.bench.runtime import RuntimeBench
 
 # the torch peers of `bench runtime` (nobubble.app.ranks.torch_peer.TORCH_SCHEDULES, named
 # here so that the CLI's parser does not import torch)
@@ -85,7 +89,7 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
         return bench_synthetic(args)
     from tqdm import tqdm
 
-    from nobubble.app.bench.runtime import TORCH_TWINS, RuntimeBench, bench_runtime
+    from nobubble.app.bench.runtime import RuntimeBench, bench_runtime
 
     cfg = RuntimeBench(
         model=args.model,
@@ -114,7 +118,16 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    conf = result["config"]
+    _print_setup(cfg, result["config"])
+    rows = [_row(variant, result[variant]) for variant in cfg.schedules]
+    print_table(rows, list(rows[0]))
+    _print_paired(cfg, result)
+    return 0
+
+
+def _print_setup(cfg: RuntimeBench, conf: dict[str, Any]) -> None:
+    """What was measured and under which load; the partition and its balance, which caps the
+    lighter stages' utilization."""
     print(
         f"model {cfg.model}, P={cfg.stages}, M={cfg.microbatches}, B={cfg.micro_batch_size}, "
         f"T={cfg.seq_len}, {conf['tokens_per_step']} tokens/step, {cfg.rounds} alternating "
@@ -135,26 +148,30 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
                 f"{n} stages ({int(n) // cfg.stages} per rank): layers "
                 f"{' | '.join(cut['layers'])}, balance {cut['balance']:.3f}"
             )
-    rows = []
-    for variant in cfg.schedules:
-        r = result[variant]
-        util = r["utilization"]
-        rows.append(
-            {
-                "variant": variant,
-                "tokens_per_s": round(r["tokens_per_s"]),
-                "spread": (max(r["tokens_per_s_rounds"]) - min(r["tokens_per_s_rounds"]))
-                / r["tokens_per_s"],
-                "vs_1f1b": r["vs_1f1b"] if r["vs_1f1b"] is not None else "-",
-                "vs_torch_1f1b": r["vs_torch_1f1b"] if r["vs_torch_1f1b"] is not None else "-",
-                "vs_torch_twin": r["vs_torch_twin"] if r["vs_torch_twin"] is not None else "-",
-                "utilization": [round(u, 3) for u in util] if util else "-",
-                "bubble": r["bubble"] if r["bubble"] is not None else "-",
-                "peak_act_MB": [round(b / 2**20, 1) for b in r["peak_activation_bytes"]],
-                "last_loss": r["last_loss"],
-            }
-        )
-    print_table(rows, list(rows[0]))
+
+
+def _row(variant: str, r: dict[str, Any]) -> dict[str, Any]:
+    """One variant's line of the table; "-" where a comparison does not apply."""
+    util = r["utilization"]
+    return {
+        "variant": variant,
+        "tokens_per_s": round(r["tokens_per_s"]),
+        "spread": (max(r["tokens_per_s_rounds"]) - min(r["tokens_per_s_rounds"]))
+        / r["tokens_per_s"],
+        "vs_1f1b": r["vs_1f1b"] if r["vs_1f1b"] is not None else "-",
+        "vs_torch_1f1b": r["vs_torch_1f1b"] if r["vs_torch_1f1b"] is not None else "-",
+        "vs_torch_twin": r["vs_torch_twin"] if r["vs_torch_twin"] is not None else "-",
+        "utilization": [round(u, 3) for u in util] if util else "-",
+        "bubble": r["bubble"] if r["bubble"] is not None else "-",
+        "peak_act_MB": [round(b / 2**20, 1) for b in r["peak_activation_bytes"]],
+        "last_loss": r["last_loss"],
+    }
+
+
+def _print_paired(cfg: RuntimeBench, result: dict[str, Any]) -> None:
+    """Each variant against its torch twin, paired by round."""
+    from nobubble.app.bench.runtime import TORCH_TWINS
+
     for variant in cfg.schedules:
         paired = result[variant].get("vs_torch_twin_paired")
         if paired is None:
@@ -166,4 +183,3 @@ def cmd_bench_runtime(args: argparse.Namespace) -> int:
             f"mean {paired['mean']:.3f}{spread}, faster in "
             f"{paired['faster_rounds']} of {paired['rounds']} rounds"
         )
-    return 0

@@ -34,7 +34,8 @@ def local_prerequisites(
 
     A backward (B or I) needs its own forward (the saved graph); W needs its I (the output
     gradient and the saved input); step j+1 needs every gradient of batch j, whose sum it applies
-    (design.md section 2): the B of each micro-batch, or its W when backwards are split.
+    (docs/semantics.md, "Dependency rule"): the B of each micro-batch, or its W when backwards
+    are split.
     """
     if action.kind in (B, I):
         return [Action(action.stage, F, action.number)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -37,7 +37,8 @@ SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 KINDS = (F, B, STEP, SEND_F, RECV_F, SEND_B, RECV_B, I, W)
 COMPUTE_KINDS = (F, B, STEP, I, W)
 
-# Which weight version a forward reads, and which a backward reads (design.md section 2).
+# Which weight version a forward reads, and which a backward reads (docs/semantics.md, "Schedule
+# fields").
 FORWARD_RULES = ("current", "previous_batch")
 BACKWARD_RULES = ("current", "stashed")
 
@@ -303,7 +304,3 @@ def format_grid(
     if start > 0 or stop < length:
         lines.append(f"(positions {start}..{stop - 1} of {length})")
     return "\n".join(lines)
-
-
-def actions_of(order: Iterable[Action], kind: str) -> list[Action]:
-    return [a for a in order if a.kind == kind]

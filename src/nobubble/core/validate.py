@@ -1,4 +1,4 @@
-"""Validate a schedule before anything executes it (design.md section 2).
+"""Validate a schedule before anything executes it (the rules: docs/semantics.md, "Validator").
 
 Checks, per rank: actions belong to the rank's stages (as the placement says) and are executable
 kinds; every micro-batch has exactly one forward and one backward per stage (B, or I then W, never
@@ -28,12 +28,20 @@ from nobubble.core.sim.cost import CostModel
 from nobubble.core.sim.engine import Deadlock, blocked_on, run_timeline
 from nobubble.core.util import paused_gc
 
+# Positions of the grid an error shows around the failing cell: every rank's row stays one line
+# of a terminal (about 9 characters a column).
+ERROR_COLUMNS = 16
+
 
 class ScheduleValidationError(ScheduleError):
+    """A broken rule at ``position`` of ``rank``'s order (``len(order)``: something is missing at
+    its end); the message names both and the rule, then shows every rank's order around that
+    position with the failing cell in brackets."""
+
     def __init__(self, schedule: Schedule, rank: int, position: int, reason: str) -> None:
         order = schedule.ranks[rank]
         where = str(order[position]) if position < len(order) else "end of order"
-        grid = format_grid(schedule.ranks, mark=(rank, position))
+        grid = format_grid(schedule.ranks, mark=(rank, position), max_columns=ERROR_COLUMNS)
         super().__init__(
             f"invalid schedule {schedule.name!r}: rank {rank}, position {position} ({where}): "
             f"{reason}\n{grid}"
@@ -53,95 +61,119 @@ class _StageState:
 
 
 def _check_rank(schedule: Schedule, rank: int) -> None:
-    total, per_step = schedule.total_microbatches, schedule.num_microbatches
-    placement, split = schedule.placement, schedule.split_backward
+    """Walk one rank's order, each action checked against what its stage has run so far; the
+    first broken rule raises, then every stage must have run everything."""
+    total, placement = schedule.total_microbatches, schedule.placement
     states = {s: _StageState(total, schedule.num_steps) for s in placement.stages_of(rank)}
     st: _StageState | None = None
     last = -1
-
-    def fail(pos: int, reason: str) -> None:
-        raise ScheduleValidationError(schedule, rank, pos, reason)
-
-    for pos, (stage, kind, m) in enumerate(schedule.ranks[rank]):
+    for pos, action in enumerate(schedule.ranks[rank]):
+        stage, kind, m = action
         if kind not in COMPUTE_KINDS:
-            fail(
-                pos,
+            reason: str | None = (
                 f"{kind} is not executable in this version; use F, B (or I and W) and STEP "
-                "(transfers are implied by the dependency rule)",
+                "(transfers are implied by the dependency rule)"
             )
-        if stage != last:  # look the stage's state up only when the stage changes
-            st, last = states.get(stage), stage
-        if st is None:
-            where = (
-                f"rank {placement.rank_of(stage)}"
-                if 0 <= stage < schedule.num_stages
-                else f"no rank: the schedule has stages 0..{schedule.num_stages - 1}"
-            )
-            fail(pos, f"stage {stage} runs on {where}, not rank {rank}")
-            return
-        if kind == STEP:
-            if m != st.current + 1:
-                fail(pos, f"expected STEP{st.current + 1} (steps are numbered 1, 2, ... in order)")
-            if m > schedule.num_steps:
-                fail(pos, f"step {m} is past the schedule's {schedule.num_steps} steps")
-            if st.grads_in_batch[m - 1] != per_step:  # the dependency rule names which
-                prerequisites = local_prerequisites(Action(stage, kind, m), per_step, split)
-                done = st.seen_w if split else st.seen_b
-                missing = next(a for a in prerequisites if not done[a.number])
-                fail(
-                    pos,
-                    f"step {m} applies batch {m - 1}, but {missing} (the gradient of "
-                    f"micro-batch {missing.number}) has not run yet on this stage",
+        else:
+            if stage != last:  # look the stage's state up only when the stage changes
+                st, last = states.get(stage), stage
+            if st is None:
+                reason = _foreign_stage(schedule, rank, stage)
+            elif kind == STEP:
+                reason = _apply_step(schedule, st, action)
+            elif not 0 <= m < total:
+                reason = (
+                    f"micro-batch {m} is outside 0..{total - 1} "
+                    f"({schedule.num_steps} steps x {schedule.num_microbatches} micro-batches)"
                 )
-            st.current = m
-            continue
-        if not 0 <= m < total:
-            fail(
-                pos,
-                f"micro-batch {m} is outside 0..{total - 1} "
-                f"({schedule.num_steps} steps x {per_step} micro-batches)",
-            )
-        batch = m // per_step
-        if kind == F:
-            if st.seen_f[m]:
-                fail(pos, f"second forward of micro-batch {m}")
-            st.seen_f[m] = 1
-            needed = forward_version(schedule.forward_rule, batch, st.current, schedule.sync_warmup)
-            if needed > st.current:
-                fail(
-                    pos,
-                    f"forward of batch {batch} needs weight version {needed}, but the stage "
-                    f"has applied only {st.current} steps (for 2bw: M >= P-1)",
-                )
-            continue
-        if (kind == B) == split:
-            fail(
-                pos,
-                f"{kind} in a schedule that "
-                + ("splits backwards into I and W" if split else "fuses backwards into B")
-                + " (rank 0's order decides): split every backward or none",
-            )
-        if kind == W:
-            if not st.seen_b[m]:
-                fail(pos, f"weight gradient W of micro-batch {m} before its input gradient I")
-            if st.seen_w[m]:
-                fail(pos, f"second weight gradient W of micro-batch {m}")
-            st.seen_w[m] = 1
-        else:  # B or I
-            if not st.seen_f[m]:
-                fail(pos, f"backward of micro-batch {m} before its forward")
-            if st.seen_b[m]:
-                fail(pos, f"second backward of micro-batch {m}")
-            st.seen_b[m] = 1
-        if batch != st.current:
-            fail(
-                pos,
-                f"{kind} of micro-batch {m} (batch {batch}) must run after step "
-                f"{batch} and before step {batch + 1}; the stage has applied {st.current}",
-            )
-        if kind != I:
-            st.grads_in_batch[batch] += 1
-    end = len(schedule.ranks[rank])
+            elif kind == F:
+                reason = _run_forward(schedule, st, m)
+            else:
+                reason = _run_backward(schedule, st, action)
+        if reason is not None:
+            raise ScheduleValidationError(schedule, rank, pos, reason)
+    _check_complete(schedule, rank, states)
+
+
+def _foreign_stage(schedule: Schedule, rank: int, stage: int) -> str:
+    where = (
+        f"rank {schedule.placement.rank_of(stage)}"
+        if 0 <= stage < schedule.num_stages
+        else f"no rank: the schedule has stages 0..{schedule.num_stages - 1}"
+    )
+    return f"stage {stage} runs on {where}, not rank {rank}"
+
+
+def _apply_step(schedule: Schedule, st: _StageState, action: Action) -> str | None:
+    """STEP m: the next step in order, within the schedule, after all of batch m-1's gradients."""
+    m, per_step, split = action.number, schedule.num_microbatches, schedule.split_backward
+    if m != st.current + 1:
+        return f"expected STEP{st.current + 1} (steps are numbered 1, 2, ... in order)"
+    if m > schedule.num_steps:
+        return f"step {m} is past the schedule's {schedule.num_steps} steps"
+    if st.grads_in_batch[m - 1] != per_step:  # the dependency rule names which
+        done = st.seen_w if split else st.seen_b
+        prerequisites = local_prerequisites(action, per_step, split)
+        missing = next(a for a in prerequisites if not done[a.number])
+        return (
+            f"step {m} applies batch {m - 1}, but {missing} (the gradient of "
+            f"micro-batch {missing.number}) has not run yet on this stage"
+        )
+    st.current = m
+    return None
+
+
+def _run_forward(schedule: Schedule, st: _StageState, m: int) -> str | None:
+    """The first forward of micro-batch m, with the weight version its batch needs applied."""
+    if st.seen_f[m]:
+        return f"second forward of micro-batch {m}"
+    st.seen_f[m] = 1
+    batch = m // schedule.num_microbatches
+    needed = forward_version(schedule.forward_rule, batch, st.current, schedule.sync_warmup)
+    if needed > st.current:
+        return (
+            f"forward of batch {batch} needs weight version {needed}, but the stage "
+            f"has applied only {st.current} steps (for 2bw: M >= P-1)"
+        )
+    return None
+
+
+def _run_backward(schedule: Schedule, st: _StageState, action: Action) -> str | None:
+    """B, I or W of micro-batch m: the schedule's kind of backward, once each, after the forward
+    (W after I), between the step before its batch and the step after."""
+    kind, m, split = action.kind, action.number, schedule.split_backward
+    if (kind == B) == split:
+        return (
+            f"{kind} in a schedule that "
+            + ("splits backwards into I and W" if split else "fuses backwards into B")
+            + " (rank 0's order decides): split every backward or none"
+        )
+    if kind == W:
+        if not st.seen_b[m]:
+            return f"weight gradient W of micro-batch {m} before its input gradient I"
+        if st.seen_w[m]:
+            return f"second weight gradient W of micro-batch {m}"
+        st.seen_w[m] = 1
+    else:  # B or I
+        if not st.seen_f[m]:
+            return f"backward of micro-batch {m} before its forward"
+        if st.seen_b[m]:
+            return f"second backward of micro-batch {m}"
+        st.seen_b[m] = 1
+    batch = m // schedule.num_microbatches
+    if batch != st.current:
+        return (
+            f"{kind} of micro-batch {m} (batch {batch}) must run after step "
+            f"{batch} and before step {batch + 1}; the stage has applied {st.current}"
+        )
+    if kind != I:
+        st.grads_in_batch[batch] += 1
+    return None
+
+
+def _check_complete(schedule: Schedule, rank: int, states: dict[int, _StageState]) -> None:
+    """At the end of the rank's order every stage has run every action and every step."""
+    split, end = schedule.split_backward, len(schedule.ranks[rank])
     for stage, st in states.items():
         kinds = (
             ((F, st.seen_f), (I, st.seen_b), (W, st.seen_w))
@@ -150,14 +182,18 @@ def _check_rank(schedule: Schedule, rank: int) -> None:
         )
         for kind, seen in kinds:
             if not all(seen):
-                fail(
+                raise ScheduleValidationError(
+                    schedule,
+                    rank,
                     end,
                     f"missing {Action(stage, kind, seen.index(0))} (every micro-batch needs one "
                     + ("forward, one I and one W" if split else "forward and one backward")
                     + " per stage)",
                 )
         if st.current != schedule.num_steps:
-            fail(
+            raise ScheduleValidationError(
+                schedule,
+                rank,
                 end,
                 f"missing STEP{st.current + 1} of stage {stage}: "
                 f"{schedule.num_steps} steps expected",

@@ -91,6 +91,9 @@ def run_experiment(
     regime: str = "short",
     optimizers: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
+    """Run experiment ``name``'s grid under ``out`` (tuning the learning rates first, reusing
+    finished runs) and write its summary, or for ``report`` write ``report_to`` from the
+    summaries there; every argument is checked before any run."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
     profile = grids.profile_for(regime, quick)
@@ -102,13 +105,50 @@ def run_experiment(
     if seeds is not None and seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     root = Path(out) if out else default_root(quick)
-    if name == "report" and optimizers is not None:
-        raise ValueError("--optimizers is an option of the experiments, not of report")
     if name == "report":
+        if optimizers is not None:
+            raise ValueError("--optimizers is an option of the experiments, not of report")
         from nobubble.app.experiments.report import write_report
 
         return write_report(root, Path(report_to))
-    sweep_profile = profile  # the sweep covers every optimizer of the regime, whatever is asked
+    profile, sweep_profile, seeds = _narrowed(name, profile, quick, seeds, depths, optimizers)
+    left_out = _left_out(name, profile, sweep_profile, seeds, optimizers)
+    lrs = tuned_lrs(sweep_profile, root, jobs, progress)
+    exp_dir = root / summary_folder(name, profile)
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    outcomes = run_grid(
+        GRIDS[name](profile, lrs, seeds), profile.base, root / "runs", jobs, progress, name
+    )
+    summary = summarize(name, outcomes, exp_dir, profile, lrs)
+    summary.update(
+        experiment=name,
+        profile=profile.name,
+        seeds=seeds,
+        lrs=lrs,
+        base=profile.base,
+        runs=len(outcomes),
+        depths=list(profile.depths) if name == "depth" else None,
+        optimizers_run=list(profile.optimizers),
+        left_out=left_out,
+        params=_params(outcomes),
+    )
+    summary["folder"] = str(exp_dir)
+    analysis.write_summary(exp_dir, name, summary, TABLES[name](summary))
+    return summary
+
+
+def _narrowed(
+    name: str,
+    profile: grids.Profile,
+    quick: bool,
+    seeds: int | None,
+    depths: tuple[int, ...] | None,
+    optimizers: tuple[str, ...] | None,
+) -> tuple[grids.Profile, grids.Profile, int]:
+    """(the profile this call runs, the one its learning-rate sweep covers, seeds): ``--optimizers``
+    narrows the first only, since the sweep covers every optimizer of the regime; ``--depths``
+    narrows both. Every optimizer's library is checked here, before any run."""
+    sweep_profile = profile
     if optimizers is not None:
         unknown = [o for o in optimizers if o not in profile.optimizers]
         if unknown:
@@ -133,7 +173,19 @@ def run_experiment(
             raise ValueError(f"--depths is an option of the depth experiment, not of {name}")
         profile = dataclasses.replace(profile, depths=depths)
         sweep_profile = dataclasses.replace(sweep_profile, depths=depths)
-    # build the grid once with placeholder lrs: a grid that cannot be built fails before the sweep
+    return profile, sweep_profile, seeds
+
+
+def _left_out(
+    name: str,
+    profile: grids.Profile,
+    sweep_profile: grids.Profile,
+    seeds: int,
+    optimizers: tuple[str, ...] | None,
+) -> list[str]:
+    """The optimizers of experiment ``name``'s grid that ``--optimizers`` leaves out; refuses a
+    choice that leaves out all of them. The grid is built once with placeholder learning rates,
+    so a grid that cannot be built fails before the sweep."""
     placeholder = {o: sweep_profile.lr_grid[o][0] for o in sweep_profile.optimizers}
     grid_optimizers = [
         o
@@ -147,28 +199,7 @@ def run_experiment(
             f"--optimizers {','.join(optimizers)}: the {name} grid runs "
             f"{','.join(grid_optimizers)} only; choose among them"
         )
-    lrs = tuned_lrs(sweep_profile, root, jobs, progress)
-    exp_dir = root / summary_folder(name, profile)
-    exp_dir.mkdir(parents=True, exist_ok=True)
-    outcomes = run_grid(
-        GRIDS[name](profile, lrs, seeds), profile.base, root / "runs", jobs, progress, name
-    )
-    summary = summarize(name, outcomes, exp_dir, profile, lrs)
-    summary.update(
-        experiment=name,
-        profile=profile.name,
-        seeds=seeds,
-        lrs=lrs,
-        base=profile.base,
-        runs=len(outcomes),
-        depths=list(profile.depths) if name == "depth" else None,
-        optimizers_run=list(profile.optimizers),
-        left_out=left_out,
-        params=_params(outcomes),
-    )
-    summary["folder"] = str(exp_dir)
-    analysis.write_summary(exp_dir, name, summary, TABLES[name](summary))
-    return summary
+    return left_out
 
 
 def _optimizers_of(specs: list[RunSpec]) -> set[str]:

@@ -79,6 +79,32 @@ def analyze_paci(
     lrs: dict[str, float],
     base: dict[str, Any],
 ) -> dict[str, Any]:
+    """The paci experiment's summary: each (optimizer, a) pair of flush and paci runs compared,
+    the lower-lr study, the arms and the measured runs; draws the curves and drift figures."""
+    pairs = _pairs(outcomes, optimizers, base)
+    measured = _measured(outcomes)
+    _curves(
+        out / "paci_curves.png",
+        "1f1b flush (solid) vs paci (dashed), P=4",
+        _curve_series(outcomes, pairs),
+        x_key="tokens",
+    )
+    _drift_figure(out / "paci_drift.png", pairs)
+    return {
+        "format": FORMAT,
+        "pairs": pairs,
+        "lower_lr": _lower_lr(outcomes),
+        "arms": analyze_arms(outcomes),
+        "measured": measured,
+        "figures": ["paci_curves.png", "paci_drift.png"],
+    }
+
+
+def _pairs(
+    outcomes: dict[str, RunOutcome], optimizers: tuple[str, ...], base: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One row per (optimizer, a) of the emulated runs, in the profile's optimizer order, for
+    which both schedules finished on a common seed."""
     pairs = []
     costs_cache: dict[int, tuple[list[float], list[float]]] = {}
     emulated = [o for o in select(outcomes) if o.spec.labels.get("runtime") != "dist"]
@@ -97,49 +123,64 @@ def analyze_paci(
         seeds = sorted(set(by_schedule["1f1b"]) & set(by_schedule["paci"]))
         if not seeds:
             continue
-        # time to target, drift and memory from the lowest seed's pair (drift and memory do not
-        # depend on the seed; the time is one run's)
-        flush, p = by_schedule["1f1b"][seeds[0]], by_schedule["paci"][seeds[0]]
-        target = max(
-            min(r["val_loss"] for r in run.metrics if r.get("val_loss") is not None)
-            for run in (flush, p)
-        )
-        steps = {"flush": first_reach(flush, target), "paci": first_reach(p, target)}
         if a not in costs_cache:
-            costs_cache[a] = stage_costs({**base, **flush.spec.overrides})
-        proj = {
-            k: _projected_seconds(run, int(steps[k] or 1), costs_cache[a])
-            for k, run in (("flush", flush), ("paci", p))
-        }
-        ledger = json.loads((p.run_dir / "ledger.json").read_text())
-        val = {k: {s: final_val(by_schedule[k][s]) for s in seeds} for k in by_schedule}
-        pairs.append(
-            {
-                "optimizer": opt,
-                "a": a,
-                "stages": flush.spec.overrides["stages"],
-                "val_flush": mean_std(list(val["1f1b"].values())),
-                "val_paci": mean_std(list(val["paci"].values())),
-                "diff": stats.paired(val["paci"], val["1f1b"]),
-                "timed_seed": seeds[0],
-                "target": target,
-                "steps_to_target": steps,
-                "projected_s": proj,
-                "projected_speedup": proj["flush"] / proj["paci"],
-                "ideal_speedup": (a + 4 - 1) / a,
-                "drift_histogram": ledger["crossed_histogram"],
-                "max_crossed": [row["max_crossed"] for row in ledger["summary"]],
-                "peak_activation_bytes": {
-                    "flush": flush.summary["peak_activation_bytes"],
-                    "paci": p.summary["peak_activation_bytes"],
-                },
-                "stage_costs_s": {"fwd": costs_cache[a][0], "bwd": costs_cache[a][1]},
-            }
-        )
-    measured = _measured(outcomes)
+            costs_cache[a] = stage_costs({**base, **by_schedule["1f1b"][seeds[0]].spec.overrides})
+        pairs.append(_pair(opt, a, by_schedule, seeds, costs_cache[a]))
+    return pairs
+
+
+def _pair(
+    opt: str,
+    a: int,
+    by_schedule: dict[str, dict[int, RunOutcome]],
+    seeds: list[int],
+    costs: tuple[list[float], list[float]],
+) -> dict[str, Any]:
+    """Flush against paci for one (optimizer, a): final losses paired by seed; time to target,
+    drift and memory from the lowest seed's pair (drift and memory do not depend on the seed; the
+    time is one run's)."""
+    flush, p = by_schedule["1f1b"][seeds[0]], by_schedule["paci"][seeds[0]]
+    target = max(
+        min(r["val_loss"] for r in run.metrics if r.get("val_loss") is not None)
+        for run in (flush, p)
+    )
+    steps = {"flush": first_reach(flush, target), "paci": first_reach(p, target)}
+    proj = {
+        k: _projected_seconds(run, int(steps[k] or 1), costs)
+        for k, run in (("flush", flush), ("paci", p))
+    }
+    ledger = json.loads((p.run_dir / "ledger.json").read_text())
+    val = {k: {s: final_val(by_schedule[k][s]) for s in seeds} for k in by_schedule}
+    return {
+        "optimizer": opt,
+        "a": a,
+        "stages": flush.spec.overrides["stages"],
+        "val_flush": mean_std(list(val["1f1b"].values())),
+        "val_paci": mean_std(list(val["paci"].values())),
+        "diff": stats.paired(val["paci"], val["1f1b"]),
+        "timed_seed": seeds[0],
+        "target": target,
+        "steps_to_target": steps,
+        "projected_s": proj,
+        "projected_speedup": proj["flush"] / proj["paci"],
+        "ideal_speedup": (a + 4 - 1) / a,
+        "drift_histogram": ledger["crossed_histogram"],
+        "max_crossed": [row["max_crossed"] for row in ledger["summary"]],
+        "peak_activation_bytes": {
+            "flush": flush.summary["peak_activation_bytes"],
+            "paci": p.summary["peak_activation_bytes"],
+        },
+        "stage_costs_s": {"fwd": costs[0], "bwd": costs[1]},
+    }
+
+
+def _curve_series(
+    outcomes: dict[str, RunOutcome], pairs: list[dict[str, Any]]
+) -> list[tuple[str, str, str, list[RunOutcome]]]:
+    """The curves figure's lines: one colour per (optimizer, a); solid flush, dashed paci."""
     series = []
     palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
-    for i, pair in enumerate(pairs):  # one colour per (optimizer, a); solid flush, dashed paci
+    for i, pair in enumerate(pairs):
         for schedule, style in (("1f1b", "-"), ("paci", "--")):
             runs = [
                 o
@@ -157,16 +198,17 @@ def analyze_paci(
                     runs,
                 )
             )
-    _curves(
-        out / "paci_curves.png", "1f1b flush (solid) vs paci (dashed), P=4", series, x_key="tokens"
-    )
-    _drift_figure(out / "paci_drift.png", pairs)
-    lower_lr = []
+    return series
+
+
+def _lower_lr(outcomes: dict[str, RunOutcome]) -> list[dict[str, Any]]:
+    """The lower-lr study: flush and paci at each lower learning rate, highest lr first."""
+    rows = []
     for flush in select(outcomes, schedule="1f1b", study="lower-lr"):
         lr = flush.spec.labels["lr"]
         twin = select(outcomes, schedule="paci", study="lower-lr", lr=lr)
         if twin:
-            lower_lr.append(
+            rows.append(
                 {
                     "optimizer": "adamw",
                     "a": flush.spec.labels["a"],
@@ -176,14 +218,7 @@ def analyze_paci(
                     "diff": final_val(twin[0]) - final_val(flush),
                 }
             )
-    return {
-        "format": FORMAT,
-        "pairs": pairs,
-        "lower_lr": sorted(lower_lr, key=lambda r: -r["lr"]),
-        "arms": analyze_arms(outcomes),
-        "measured": measured,
-        "figures": ["paci_curves.png", "paci_drift.png"],
-    }
+    return sorted(rows, key=lambda r: -r["lr"])
 
 
 def _measured(outcomes: dict[str, RunOutcome]) -> dict[str, Any] | None:

@@ -177,10 +177,6 @@ def profile_for(regime: str, quick: bool) -> Profile:
     return PROFILES[regime][quick]
 
 
-def run_name(**parts: Any) -> str:
-    return "-".join(f"{k}{v}" if k not in ("", "name") else str(v) for k, v in parts.items())
-
-
 def sweep_key(opt: str, lr: float) -> str:
     return f"sweep-{opt}-lr{lr:g}"
 

@@ -2,7 +2,8 @@
 
 Every run has a key, its readable name plus a hash of its resolved config and of the training
 code (keys.py), and a directory ``OUT/runs/KEY``. A run whose ``summary.json`` exists is
-finished and reused; one with a checkpoint is resumed; a directory with neither (a run killed
+finished and reused, and so is one kept in a pack in the runs folder (packs.py: it is unpacked
+into its folder first); one with a checkpoint is resumed; a directory with neither (a run killed
 before its first checkpoint) is started again. A changed setting or a changed training code
 gives a new key, so an old run is never taken for a new one. Runs marked ``exclusive``
 (wall-clock measurements) run alone, after the others.
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nobubble.app.experiments import keys
+from nobubble.app.experiments import keys, packs
 from nobubble.core.errors import NobubbleError
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ def _run_one(
     spec: RunSpec, key: str, code: str, base: dict[str, Any], runs_dir: Path
 ) -> RunOutcome:
     run_dir = runs_dir / key
-    if (run_dir / "summary.json").exists():
+    if (run_dir / "summary.json").exists() or packs.unpack_run(runs_dir, key):
         return _load(spec, run_dir)
     config = {**base, **spec.overrides, "progress": False}
     if (run_dir / "checkpoint" / "manifest.json").exists():

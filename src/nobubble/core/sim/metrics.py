@@ -1,4 +1,5 @@
-"""Metrics of a timeline (design.md section 6), the same definitions for simulated and real runs.
+"""Metrics of a timeline, one definition for simulated and real runs (docs/semantics.md,
+"Simulator").
 
 - utilization of a stage = busy time / makespan; bubble share = 1 - mean utilization
   (= idle time / (P x makespan));

@@ -52,7 +52,7 @@ class TreeTransport(DistTransport):
             batches, (), torch.float32, device, num_stages, start_position, timeout_s, placement
         )
         self.in_specs, self.out_specs = in_specs, out_specs
-        self.ties = list(ties)  # the pipeline's tied pairs (exec/worker.py), for ``gather``
+        self.ties = list(ties)  # the pipeline's tied pairs (engine/worker.py), for ``gather``
         self.tied_shares: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.leaves_out: dict[Action, list[torch.Tensor]] = {}  # handed over, not posted yet
         self.leaves_in: dict[Action, tuple[Handle, list[torch.Tensor]]] = {}  # receives posted
