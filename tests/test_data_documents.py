@@ -29,7 +29,7 @@ WORDS = ["the", "a", "cat", "dog", "sat", "on", "mat", "ran", "far", "away", "an
 VOCAB = ["[UNK]", "<eos>", *WORDS]
 EOS = 1
 MODEL_VOCAB = 32
-VAL_FRACTION = 0.1
+VAL_FRACTION = 0.1  # DataConfig's default is 0.05: the tests pass it
 _rng = np.random.default_rng(0)
 DOCS = [" ".join(_rng.choice(WORDS, int(_rng.integers(1, 20)))) for _ in range(40)]
 
@@ -277,8 +277,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_any_work(
 
 
 def test_documents_need_a_tokenizer_with_eos(tmp_path: Path, model_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"holds documents.*set tokenizer='hf'"):
-        DataConfig(source=str(tmp_path / "d.parquet"))
+    with pytest.raises(ValueError, match=r"holds documents, not .bin token shards; set"):
+        DataConfig(source=str(tmp_path / "d.parquet"), tokenizer="bin")
     with pytest.raises(ValueError, match="set tokenizer_path to the model folder"):
         DataConfig(source="x.jsonl", tokenizer="hf")
     (model_dir / "tokenizer_config.json").unlink()
@@ -304,3 +304,61 @@ def test_the_model_tokenizer_gives_the_ids_transformers_gives(model_dir: Path) -
     theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
     ours = model_tokenizer(str(model_dir)).encode_documents(DOCS[:5])
     assert ours == [theirs.encode(d, add_special_tokens=False) for d in DOCS[:5]]
+
+
+# ---------------------------------------------------------------- other tokenizers, progress
+
+
+def test_without_a_model_tokenizer_a_bpe_is_trained_on_the_train_documents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    cfg = DataConfig(str(source), vocab_size=300, seq_len=4, cache_dir=str(tmp_path / "cache"))
+    data = prepare_data(cfg)
+    num_val = math.ceil(cfg.val_fraction * len(DOCS))
+    by_hand = tokenizers.Tokenizer(models.BPE())  # the same recipe, on the train documents
+    by_hand.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    by_hand.train_from_iterator(DOCS[:-num_val], trainer=trainer)
+    assert data.tokenizer.tokenizer.get_vocab() == by_hand.get_vocab()
+    ref = [i for d in DOCS for i in [*by_hand.encode(d).ids, 0]]  # <|endoftext|> is id 0
+    np.testing.assert_array_equal(np.concatenate([data.train_tokens, data.val_tokens]), ref)
+    assert data.tokenizer.decode(by_hand.encode(DOCS[0]).ids) == DOCS[0]  # lossless
+    monkeypatch.setattr(tokenizers.Tokenizer, "train_from_iterator", None)  # cached: no training
+    np.testing.assert_array_equal(prepare_data(cfg).train_tokens, data.train_tokens)
+
+
+def test_a_bad_record_met_while_training_the_bpe_is_refused_and_nothing_is_written(
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "d.parquet"
+    _write_parquet(source, {"text": ["a cat", "the dog", None, "a mat", "far away"]})
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="row 2 of column 'text' is null"):
+        prepare_data(DataConfig(source=str(source), vocab_size=300, cache_dir=str(cache)))
+    assert cache_files(cache) == []
+
+
+def test_a_model_tokenizer_also_reads_text_files(tmp_path: Path, model_dir: Path) -> None:
+    (tmp_path / "a.txt").write_text("the cat sat\non a mat\n" * 20 + "the dog ran far\n" * 5)
+    data = prepare_data(config(tmp_path / "a.txt", model_dir, tmp_path / "cache"))
+    tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = (tmp_path / "a.txt").read_text()
+    both = np.concatenate([data.train_tokens, data.val_tokens])  # split at a line start
+    np.testing.assert_array_equal(both, tok.encode(text).ids)
+    assert data.vocab_size == MODEL_VOCAB
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_progress_bar_shows_when_asked(
+    progress: bool, tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prepare_data(
+        config(make_source("jsonl", tmp_path), model_dir, tmp_path / "c"), progress=progress
+    )
+    assert (f"{len(DOCS)}/{len(DOCS)}" in capsys.readouterr().err) == progress

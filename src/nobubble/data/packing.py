@@ -87,12 +87,7 @@ def tokenize_documents(
     """
     assert tokenizer.eos_id is not None, "the caller checks that documents can be joined"
     num_docs = sum(d.num_docs for d in docs)
-    num_train = num_docs - math.ceil(val_fraction * num_docs)
-    if num_train < 1:
-        raise ValueError(
-            f"the data holds {num_docs} document(s), too few to split off val_fraction="
-            f"{val_fraction} for validation and keep one for training; use more documents"
-        )
+    num_train = num_train_docs(docs, val_fraction)
     dtype = np.dtype(np.uint16 if tokenizer.id_bound <= 1 << 16 else np.uint32)
     bin_path, meta_path = cache_paths(cache_dir, key)
     start = time.perf_counter()
@@ -110,6 +105,35 @@ def tokenize_documents(
     cached = load_cached(cache_dir, key)
     assert cached is not None, bin_path
     return cached
+
+
+def num_train_docs(docs: list[DocumentFile], val_fraction: float) -> int:
+    """Documents before the validation tail of ``ceil(val_fraction * N)``; at least one."""
+    num_docs = sum(d.num_docs for d in docs)
+    num_train = num_docs - math.ceil(val_fraction * num_docs)
+    if num_train < 1:
+        raise ValueError(
+            f"the data holds {num_docs} document(s), too few to split off val_fraction="
+            f"{val_fraction} for validation and keep one for training; use more documents"
+        )
+    return num_train
+
+
+def train_texts(
+    docs: list[DocumentFile], column: str, val_fraction: float, batch_rows: int = BATCH_ROWS
+) -> Iterator[list[str]]:
+    """The train split's documents in batches (what a tokenizer may be trained on)."""
+    return _first_texts(docs, column, num_train_docs(docs, val_fraction), batch_rows)
+
+
+def _first_texts(
+    docs: list[DocumentFile], column: str, left: int, batch_rows: int
+) -> Iterator[list[str]]:
+    for texts in (t for d in docs for t in iter_texts(d, column, batch_rows)):
+        if left <= 0:
+            return
+        yield texts[:left]
+        left -= len(texts)
 
 
 def _disabled(progress: bool | None) -> bool | None:

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
@@ -21,10 +22,16 @@ from nobubble.data.config import DataConfig
 from nobubble.data.dataset import TokenData, Tokens
 from nobubble.data.documents import document_files, is_document_path, scan_documents
 from nobubble.data.model_tokenizer import check_vocab_fits, model_tokenizer
-from nobubble.data.packing import cache_key, load_cached, tokenize_documents
+from nobubble.data.packing import cache_key, load_cached, tokenize_documents, train_texts
 from nobubble.data.shards import read_bin_shard
 from nobubble.data.sources import default_cache_dir, load_text
-from nobubble.data.tokenizer import HFTokenizer, Tokenizer, gpt2_tokenizer, train_bpe_tokenizer
+from nobubble.data.tokenizer import (
+    HFTokenizer,
+    Tokenizer,
+    gpt2_tokenizer,
+    train_bpe_tokenizer,
+    train_document_bpe,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +79,19 @@ def prepare_data(cfg: DataConfig, *, progress: bool | None = None) -> TokenData:
 
 def prepare_documents(cfg: DataConfig, cache: Path, progress: bool | None) -> TokenData:
     """Documents of parquet, jsonl or arrow files, each followed by EOS, in one token stream."""
-    if cfg.tokenizer not in ("hf", "gpt2"):
+    if cfg.tokenizer == "bin":
         raise ValueError(
-            f"{cfg.source!r} holds documents, which are tokenized with a given tokenizer, not "
-            f"tokenizer={cfg.tokenizer!r}; use tokenizer='hf' with tokenizer_path set to the "
-            "model folder (its tokenizer.json), or tokenizer='gpt2'"
+            f"{cfg.source!r} holds documents, not .bin token shards; set tokenizer='hf' with "
+            "tokenizer_path the model folder (its tokenizer.json), 'gpt2' or 'bpe'"
         )
-    tokenizer = named_tokenizer(cfg)
+    files = document_files(cfg.source)
+    tokenizer = document_tokenizer(cfg, files, cache)
     vocab_size = model_vocab(cfg, tokenizer)
     if tokenizer.eos_id is None:
         raise ValueError(
             f"tokenizer {tokenizer.name} has no EOS token to join documents with; "
             "use the model's own tokenizer folder (tokenizer='hf')"
         )
-    files = document_files(cfg.source)
     key = cache_key(files, cfg.text_column, tokenizer.name, cfg.val_fraction)
     cached = load_cached(cache, key)
     if cached is None:
@@ -101,6 +107,20 @@ def prepare_documents(cfg: DataConfig, cache: Path, progress: bool | None) -> To
         cfg.source, len(train), len(val), vocab_size, tokenizer.name, tokenizer.eos_id,
     )  # fmt: skip
     return TokenData(train, val, cfg.seq_len, cfg.seed, vocab_size, tokenizer)
+
+
+def document_tokenizer(cfg: DataConfig, files: list[Path], cache: Path) -> HFTokenizer:
+    """The tokenizer ``cfg`` names, or a byte-level BPE trained on the train documents (kept
+    under a key of the documents)."""
+    if cfg.tokenizer != "bpe":
+        return named_tokenizer(cfg)
+    key = cache_key(files, cfg.text_column, f"bpe-v{cfg.vocab_size}", cfg.val_fraction)
+    path = cache / "tokenizers" / f"bpe-docs-{key}.json"
+    texts: Iterable[list[str]] = ()
+    if not path.is_file():  # train on the train split, every file checked first
+        docs = scan_documents(files, cfg.text_column)
+        texts = train_texts(docs, cfg.text_column, cfg.val_fraction)
+    return train_document_bpe(texts, cfg.vocab_size, path)
 
 
 def named_tokenizer(cfg: DataConfig) -> HFTokenizer:

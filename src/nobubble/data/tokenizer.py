@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -116,21 +116,41 @@ def train_bpe_tokenizer(text: str, vocab_size: int, cache_dir: Path) -> HFTokeni
     if path.is_file():
         logger.info("loading cached BPE tokenizer %s", path)
         return HFTokenizer(tokenizers.Tokenizer.from_file(str(path)), name=path.stem)
-    tok = _train_bpe(text, vocab_size)
+    tok = _train_bpe(split_paragraphs(text), vocab_size)
     atomic_write_bytes(path, tok.to_str().encode("utf-8"))
     logger.info("trained BPE tokenizer (vocab %d) -> %s", tok.get_vocab_size(), path)
     return HFTokenizer(tok, name=path.stem)
 
 
-def _train_bpe(text: str, vocab_size: int) -> tokenizers.Tokenizer:
+def _train_bpe(
+    pieces: Iterable[str] | Iterable[list[str]], vocab_size: int, special: list[str] | None = None
+) -> tokenizers.Tokenizer:
     tok = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable
+        special_tokens=special or [],
         show_progress=False,
     )
-    tok.train_from_iterator(split_paragraphs(text), trainer=trainer)
+    tok.train_from_iterator(pieces, trainer=trainer)
     return tok
+
+
+def train_document_bpe(batches: Iterable[list[str]], vocab_size: int, path: Path) -> HFTokenizer:
+    """Byte-level BPE with ``<|endoftext|>`` (id 0) to join documents, trained on the documents
+    ``batches`` streams (pass the train split only); kept at ``path``, so trained once."""
+    if vocab_size <= BYTE_ALPHABET_SIZE + 1:
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves no room for merges: byte-level BPE with an EOS "
+            f"needs more than {BYTE_ALPHABET_SIZE + 1} tokens; use e.g. 512 or 8192"
+        )
+    if path.is_file():
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    else:
+        tok = _train_bpe(batches, vocab_size, special=[GPT2_EOS])
+        atomic_write_bytes(path, tok.to_str().encode("utf-8"))
+        logger.info("trained BPE tokenizer (vocab %d) -> %s", tok.get_vocab_size(), path)
+    return HFTokenizer(tok, path.stem, tok.token_to_id(GPT2_EOS))
 
 
 def gpt2_tokenizer(path: str | None = None) -> HFTokenizer:
