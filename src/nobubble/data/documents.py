@@ -7,8 +7,8 @@ by relative path; hidden folders such as ``.cache`` are skipped). Each row's ``t
 one document.
 
 Parquet and arrow are read with pyarrow (the optional extra ``nobubble[data]``), never whole:
-parquet in row batches of one column, arrow memory-mapped. jsonl needs no extra: the standard
-``json`` module reads it line by line (blank lines are skipped).
+parquet one row group of one column at a time, arrow memory-mapped. jsonl needs no extra: the
+standard ``json`` module reads it line by line (blank lines are skipped).
 
 ``scan_documents`` checks every file before any work: it opens it, finds the column and its string
 type (listing the columns present otherwise), counts the documents and, for jsonl, decodes every
@@ -189,8 +189,12 @@ def _open_arrow(path: Path) -> tuple[Any, Iterator[Any]]:
 def _record_batches(path: Path, kind: str, column: str, batch_rows: int) -> Iterator[Any]:
     """Record batches of the one column ``column``, each at most ``batch_rows`` rows."""
     if kind == "parquet":
+        # one row group at a time: ParquetFile.iter_batches (pyarrow 26) held memory that grew
+        # with the file's size, reading row group by row group stays flat
         parquet = _pyarrow().parquet.ParquetFile(path)
-        yield from parquet.iter_batches(batch_size=batch_rows, columns=[column])
+        for group in range(parquet.num_row_groups):
+            table = parquet.read_row_group(group, columns=[column])
+            yield from table.to_batches(max_chunksize=batch_rows)
         return
     schema, batches = _open_arrow(path)
     index = schema.get_field_index(column)
