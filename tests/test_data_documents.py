@@ -174,12 +174,12 @@ def test_second_prepare_reads_the_cache_and_a_changed_file_is_tokenized_again(
     second = prepare_data(cfg)
     assert calls == [] and isinstance(second.train_tokens, np.memmap)
     np.testing.assert_array_equal(first.train_tokens, second.train_tokens)
+    assert second.stream_id == first.stream_id
     write_jsonl(source, DOCS[:-1])
     os.utime(source, ns=(1, 1))  # a new size and mtime: the key changes
     changed = prepare_data(cfg)
-    assert calls and len(changed.val_tokens) + len(changed.train_tokens) < len(
-        reference(model_dir, DOCS)
-    )
+    assert calls and changed.stream_id != first.stream_id
+    assert len(changed.val_tokens) + len(changed.train_tokens) < len(reference(model_dir, DOCS))
 
 
 def test_a_resumed_run_reads_the_micro_batches_an_uninterrupted_one_would(

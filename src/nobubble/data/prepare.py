@@ -106,7 +106,7 @@ def prepare_documents(cfg: DataConfig, cache: Path, progress: bool | None) -> To
         "data: %s: %d train + %d val tokens, vocab %d (%s, EOS %d)",
         cfg.source, len(train), len(val), vocab_size, tokenizer.name, tokenizer.eos_id,
     )  # fmt: skip
-    return TokenData(train, val, cfg.seq_len, cfg.seed, vocab_size, tokenizer)
+    return TokenData(train, val, cfg.seq_len, cfg.seed, vocab_size, tokenizer, stream_id=key)
 
 
 def document_tokenizer(cfg: DataConfig, files: list[Path], cache: Path) -> HFTokenizer:
