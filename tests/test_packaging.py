@@ -35,9 +35,8 @@ def imported_packages() -> set[str]:
 def test_every_imported_package_is_a_declared_dependency():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     required = {_name(r) for r in project["dependencies"]}
-    extras = {
-        _name(r) for extra in ("hf", "optim") for r in project["optional-dependencies"][extra]
-    }
+    optional = project["optional-dependencies"]
+    extras = {_name(r) for extra in ("hf", "optim", "data") for r in optional[extra]}
     distributions = importlib.metadata.packages_distributions()
     missing = {
         module: distributions.get(module, [module])

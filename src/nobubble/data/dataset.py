@@ -2,7 +2,8 @@
 
 Split: the data is cut once into a leading train part and a trailing validation part (text at
 the first line break after ``(1 - val_fraction)`` of its characters; ``.bin`` token streams at
-``(1 - val_fraction)`` of their tokens, unless a directory names its own ``*val*`` shards). The
+``(1 - val_fraction)`` of their tokens, unless a directory names its own ``*val*`` shards;
+documents before the last ``ceil(val_fraction * N)`` of their ``N``). The
 two parts are separate arrays, so no sample window can straddle them, and the BPE tokenizer sees
 the train text only.
 
@@ -11,7 +12,9 @@ Order: the train array is cut into ``W`` windows of ``seq_len + 1`` tokens at st
 is window ``perm_e[k mod W]`` with epoch ``e = k // W`` and ``perm_e`` a permutation drawn from
 ``numpy.random.default_rng([seed, e])``. So micro-batch ``m`` is a pure function of
 ``(seed, m, B)``: it does not depend on the number of stages, the order of calls, or the
-process; the data position of a checkpoint is just ``m``.
+process; the data position of a checkpoint is just ``m``. ``stream_id`` names the token stream
+where it is known (documents: their cache key, which changes with any file's size or mtime), so
+a resume can check that it reads the same tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class TokenData:
         seed: int,
         vocab_size: int,
         tokenizer: Tokenizer | None = None,
+        stream_id: str | None = None,
     ) -> None:
         self.train_tokens = train_tokens
         self.val_tokens = val_tokens
@@ -45,6 +49,7 @@ class TokenData:
         self.seed = seed
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer  # None for pre-tokenized .bin data
+        self.stream_id = stream_id
         self.num_train_windows = _num_windows(len(train_tokens), seq_len)
         self.num_val_windows = _num_windows(len(val_tokens), seq_len)
         if self.num_train_windows < 1:

@@ -150,13 +150,14 @@ def load_text(source: str, cache_dir: Path | None = None) -> str:
         files = sorted(path.rglob("*.txt"), key=lambda p: p.relative_to(path).as_posix())
         if not files:
             raise ValueError(
-                f"data directory {str(path)!r} holds no *.txt file; "
-                "add text files to it or point the data source at a text file"
+                f"data directory {str(path)!r} holds no *.txt, .parquet, .jsonl or .arrow file; "
+                "add text or documents to it, or point the data source at a file"
             )
     else:
         raise ValueError(
             f"data source {source!r} does not exist: give an existing text file, a directory of "
-            "*.txt files, .bin token shards (with tokenizer='bin'), or 'shakespeare'"
+            "*.txt files, .bin token shards (with tokenizer='bin'), .parquet, .jsonl or .arrow "
+            "documents (a file or folder), or 'shakespeare'"
         )
     text = "\n\n".join(_read_utf8(f) for f in files)
     if not text.strip():
