@@ -397,10 +397,10 @@ def test_a_scalar_parameter_is_refused_before_fsdp_touches_the_stage():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--shard", "fsdp", "--runtime", "dist"], "--shard fsdp .* --data-parallel 2 or more"),
+        (["--shard", "fsdp", "--runtime", "dist"], "shard='fsdp' .* use data_parallel >= 2"),
         (
             ["--shard", "fsdp", "--runtime", "dist", "--data-parallel", "2", "--optimizer", "soap"],
-            "--shard fsdp with --optimizer soap",
+            "optimizer='soap' with shard='fsdp'",
         ),
         (
             ["--shard", "fsdp", "--runtime", "dist", "--data-parallel", "2", "--schedule", "zbv"],

@@ -157,7 +157,7 @@ def test_out_dir_holding_a_run_is_not_overwritten(corpus, tmp_path):
         (["--lr", "-1"], "lr=-1.0"),
         (["--schedule", "2bw", "--stages", "4", "--microbatches", "2"], "2bw needs"),
         (["--schedule", "1f1b", "--correction", "ef"], "synchronous"),
-        (["--schedule", "paci", "--clip-scope", "global"], "synchronize the stages"),
+        (["--schedule", "paci", "--clip-scope", "global"], "the stages of the asynchronous paci"),
         (["--schedule", "zbv", "--stages", "3"], "cuts the model into 6 stages (2 per rank"),
         (["--schedule", "zb-h1", "--virtual-stages", "2"], "does not apply"),
         (["--schedule", "interleaved-1f1b", "--microbatches", "5"], "equal rounds"),

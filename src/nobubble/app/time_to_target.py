@@ -70,7 +70,7 @@ def projected_times(run_dir: Path) -> dict[int, float]:
     """Step -> seconds at which a P-stage pipeline on P devices would finish it: the run's own
     schedule (its drain points included) simulated with the per-stage median F, B and STEP
     durations its emulator measured (``action_costs.json``), transfers free."""
-    from nobubble.app.train.assemble import make_plan
+    from nobubble.app.train.assemble import make_schedule
     from nobubble.app.train.config import TrainConfig
     from nobubble.core.ir import STEP
     from nobubble.core.sim import CostModel, simulate
@@ -81,17 +81,17 @@ def projected_times(run_dir: Path) -> dict[int, float]:
     costs = {
         s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in durations.items()
     }
-    plan = make_plan(cfg, saved["resolved"]["vocab_size"])
-    stages = range(plan.schedule.num_stages)
+    schedule = make_schedule(cfg)
+    stages = range(schedule.num_stages)
 
     def per_stage(kind: str) -> tuple[float, ...]:
         return tuple(costs[str(s)][kind] for s in stages)
 
     step = statistics.mean(costs[str(s)]["STEP"] for s in stages)
     model = CostModel(fwd=per_stage("F"), bwd=per_stage("B"), step=step)
-    timeline = simulate(plan.schedule, model, check=False).timeline
+    timeline = simulate(schedule, model, check=False).timeline
     ends: dict[int, float] = {}
-    for rank in range(plan.schedule.num_ranks):
+    for rank in range(schedule.num_ranks):
         for action, _, end in timeline.spans(rank):
             if action.kind == STEP:
                 ends[action.number] = max(ends.get(action.number, 0.0), end)

@@ -51,7 +51,7 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) 
         f"bubble {util['bubble_share']:.1%}"
     )
     save_gantt(run.run_dir / "timeline.png", [(title, lanes)], time_unit="seconds")
-    ledger = run.plan.ledger
+    ledger = run.pipe.ledger  # the schedule that ran
     (run.run_dir / "ledger.json").write_text(
         json.dumps(
             {
