@@ -46,12 +46,17 @@ class OptimizerSpec:
         schedules, per stage for the asynchronous ones, whose stages do not step together).
     """
 
-    optimizer: str | OptimizerFactory = "adamw"
+    optimizer: str | OptimizerFactory = field(
+        default="adamw", metadata={"help": "each stage's optimizer"}
+    )
     lr: float | Callable[[int], float] = 1e-3
     optimizer_options: Mapping[str, Any] | None = None
     lr_schedule: Callable[[int], float] | None = None
-    clip: float | None = None
-    clip_scope: str = "auto"
+    clip: float | None = field(default=None, metadata={"help": "gradient-norm clip, 0 disables"})
+    clip_scope: str = field(
+        default="auto",
+        metadata={"help": "auto (global for sync, per stage for async) | stage | global"},
+    )
 
     def __post_init__(self) -> None:
         clip = self.clip
@@ -109,12 +114,27 @@ class RuntimeSpec:
         across its D replicas with FSDP2; data_parallel >= 2).
     """
 
-    runtime: str = "emulate"
-    dist_timeout: float = 600.0
+    runtime: str = field(
+        default="emulate",
+        metadata={"help": "emulate (one process) | dist (one process per stage and replica)"},
+    )
+    dist_timeout: float = field(
+        default=600.0, metadata={"help": "seconds to wait for a peer rank before failing"}
+    )
     backend: str | None = None
-    data_parallel: int = 1
-    bucket_mb: float = 25.0
-    shard: str = "none"
+    data_parallel: int = field(
+        default=1, metadata={"help": "D pipeline replicas (dist: stages × D processes)"}
+    )
+    bucket_mb: float = field(
+        default=25.0, metadata={"help": "bucket size (MB) of the data-parallel all-reduce"}
+    )
+    shard: str = field(
+        default="none",
+        metadata={
+            "help": "none | fsdp: shard each stage's parameters, gradients and optimizer state "
+            "across its data-parallel replicas (FSDP2)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.runtime not in RUNTIMES:
@@ -174,9 +194,20 @@ class ComputeSpec:
     fused_grad_accumulation: Linear and Embedding layers add their weight gradient into
     ``.grad`` inside the backward (not with a split backward or data_parallel >= 2)."""
 
-    dtype: str = "fp32"
-    paci_recompute: bool = False
-    fused_grad_accumulation: bool = False
+    dtype: str = field(
+        default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights)"}
+    )
+    paci_recompute: bool = field(
+        default=False,
+        metadata={"help": "paci: recompute the stage forward at backward instead of keeping it"},
+    )
+    fused_grad_accumulation: bool = field(
+        default=False,
+        metadata={
+            "help": "true: Linear and Embedding layers add their weight gradient into .grad "
+            "inside the backward (no fresh gradient per micro-batch); last-bit different results"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

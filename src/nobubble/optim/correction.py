@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -182,10 +182,14 @@ class CorrectionSpec:
         steps). sync_warmup: the synchronous steps of sync-warmup (0: a tenth of the run's steps).
     """
 
-    correction: str = "none"
-    ef_lambda: float = 1.0
-    delay_lr_steps: int = 0
-    sync_warmup: int = 0
+    correction: str = field(default="none", metadata={"help": "the delay correction"})
+    ef_lambda: float = field(default=1.0, metadata={"help": "error feedback's lambda"})
+    delay_lr_steps: int = field(
+        default=0, metadata={"help": "steps over which delay-lr's damping fades (0: steps/4)"}
+    )
+    sync_warmup: int = field(
+        default=0, metadata={"help": "synchronous steps first with sync-warmup (0: steps/10)"}
+    )
 
     def __post_init__(self) -> None:
         entry = correction_entry(self.correction)

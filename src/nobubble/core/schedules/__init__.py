@@ -218,10 +218,15 @@ class ScheduleSpec:
     Resolved once, here: ``num_microbatches`` (the M the schedule runs) and ``stages_per_rank``.
     """
 
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    accum: int | None = None
-    virtual_stages: int | None = None
+    schedule: str = field(default="1f1b", metadata={"help": "the pipeline schedule"})
+    microbatches: int = field(default=4, metadata={"help": "micro-batches per optimizer step M"})
+    accum: int | None = field(
+        default=None,
+        metadata={"help": "accumulation factor a of pipedream (default 1) and paci (default M)"},
+    )
+    virtual_stages: int | None = field(
+        default=None, metadata={"help": "stages per rank v of interleaved-1f1b (default 2; zbv: 2)"}
+    )
     num_microbatches: int = field(init=False)
     stages_per_rank: int = field(init=False)
 
