@@ -67,7 +67,7 @@ class Observer:
 
 
 def dist_runner() -> Any:
-    """The multi-process runner (layer 2), imported only when asked for."""
+    """The multi-process runner (runtime/distributed), imported only when asked for."""
     from nobubble.runtime.distributed import runner
 
     return runner

@@ -119,6 +119,32 @@ for _entry in (
     ),
 ):
     register_optimizer(_entry)
+
+
+def _adamuon(cfg: OptimSettings, groups: Groups) -> torch.optim.Optimizer:
+    """AdaMuon (arXiv 2507.11005) over the hidden matrices' groups: Muon's orthogonalized
+    momentum with a second moment of the orthogonalized update, rescaled to an update RMS of
+    0.2 (``use_adjusted_lr``, AdamW's), so one lr serves the matrices and the AdamW side.
+    ``betas``: the momentum's and the second moment's, (0.9, 0.95) as the library's."""
+    return _library("adamuon").AdaMuon(
+        [{**g, "use_muon": True} for g in groups],
+        lr=cfg.lr,
+        betas=cfg.resolved_betas,
+        ns_steps=cfg.ns_steps,
+        use_adjusted_lr=True,
+    )
+
+
+register_optimizer(
+    OptimizerEntry(
+        "adamuon",
+        "AdaMuon on the 2-D hidden matrices, AdamW on the rest (pytorch-optimizer)",
+        adamw,  # the AdamW side, as for muon
+        matrix=_adamuon,
+        fused_adamw=True,
+        library=True,
+    )
+)
 # soap, adan and mars step every tensor; normuon steps the 2-D hidden matrices and leaves the
 # rest to AdamW, as muon does
 LIBRARY_OPTIMIZERS: tuple[str, ...] = tuple(n for n, e in OPTIMIZER_ENTRIES.items() if e.library)
