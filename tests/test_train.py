@@ -247,3 +247,26 @@ def test_a_run_stopped_with_stop_at_resumes_to_its_end_from_the_command_line(
     assert f"the checkpoint in '{out}' is at step 8 and the run ends at step 8" in err
     assert "give a larger --steps" in err
     assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_run_builds_one_schedule_and_reports_the_one_that_ran(corpus, tmp_path, monkeypatch):
+    """Every schedule generated during a run is a horizon of the pipeline's own (regenerated
+    longer as batches come), none is built beside it; ledger.json is that schedule's ledger,
+    through the run's last step."""
+    from nobubble.api.steps import StepLoop
+    from nobubble.core import schedules
+
+    generated, horizons = [], []
+    generate, horizon = schedules.generate_resolved, StepLoop._generate
+    monkeypatch.setattr(
+        schedules, "generate_resolved", lambda *a, **k: generated.append(a) or generate(*a, **k)
+    )
+    monkeypatch.setattr(
+        StepLoop, "_generate", lambda self, steps: horizons.append(steps) or horizon(self, steps)
+    )
+    trainer = Trainer(small(corpus, tmp_path / "run", schedule="2bw", sample_tokens=0))
+    trainer.run()
+    assert generated and len(generated) == len(horizons)
+    assert trainer.pipe.schedule.num_steps == trainer.cfg.steps
+    written = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert written["summary"] == json.loads(json.dumps(trainer.pipe.ledger.summary()))
