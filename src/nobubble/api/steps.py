@@ -341,3 +341,16 @@ class StepLoop:
         """The version ledger: which version every forward, backward and step used (of the
         schedule as far as generated; the micro-batches fed so far are final)."""
         return self.ledger
+
+
+__all__ = [
+    "FIRST_HORIZON",
+    "MARGIN",
+    "MicrobatchLoss",
+    "Observer",
+    "StepLoop",
+    "StepResult",
+    "dist_runner",
+    "shard_tree",
+    "split_tree",
+]

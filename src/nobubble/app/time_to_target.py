@@ -27,7 +27,7 @@ from typing import Any
 
 from nobubble.app.segments import clock, read_records, run_alternating
 from nobubble.core.schedules import SCHEDULES
-from nobubble.optim.correction import CORRECTIONS
+from nobubble.optim.correction_registry import CORRECTIONS
 
 BASELINE = "1f1b"
 

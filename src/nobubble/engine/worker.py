@@ -147,3 +147,10 @@ class StageWorker(WorkerBackward):
         self.peak_activation_bytes = state["peak_activation_bytes"]
 
     # ----- step ----------------------------------------------------------------------------
+
+
+__all__ = [
+    "Batch",
+    "LossFn",
+    "StageWorker",
+]

@@ -186,3 +186,8 @@ class WorkerForward(WorkerStep):
         held = sum(s.activation_bytes for s in self.saved.values())
         held += sum(p.activation_bytes for p in self.pending.values())
         self.peak_activation_bytes = max(self.peak_activation_bytes, held)
+
+
+__all__ = [
+    "WorkerForward",
+]

@@ -12,15 +12,17 @@ from nobubble.optim.clip import (
 )
 from nobubble.optim.config import OPTIMIZERS, OptimConfig
 from nobubble.optim.correction import (
-    CORRECTION_ENTRIES,
-    CORRECTIONS,
-    CorrectionEntry,
-    CorrectionSpec,
     DelayAwareLR,
     DelayCorrection,
     ErrorFeedback,
     NoCorrection,
     WeightPrediction,
+)
+from nobubble.optim.correction_registry import (
+    CORRECTION_ENTRIES,
+    CORRECTIONS,
+    CorrectionEntry,
+    CorrectionSpec,
     make_correction,
 )
 from nobubble.optim.lion import Lion, lion_update

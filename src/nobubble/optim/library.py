@@ -148,3 +148,11 @@ register_optimizer(
 # soap, adan and mars step every tensor; normuon steps the 2-D hidden matrices and leaves the
 # rest to AdamW, as muon does
 LIBRARY_OPTIMIZERS: tuple[str, ...] = tuple(n for n, e in OPTIMIZER_ENTRIES.items() if e.library)
+
+
+__all__ = [
+    "INSTALL",
+    "LIBRARY_OPTIMIZERS",
+    "PACKAGE",
+    "check_installed",
+]

@@ -78,3 +78,10 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) 
         )
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return RunResult(run.run_dir, run.records, summary)
+
+
+__all__ = [
+    "by_stage",
+    "lane",
+    "write_outputs",
+]

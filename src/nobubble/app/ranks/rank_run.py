@@ -359,3 +359,9 @@ class RankRun:
         if self.rank != self.last:
             return None
         return write_outputs(self, gathered, text)
+
+
+__all__ = [
+    "RankFailure",
+    "RankRun",
+]

@@ -167,3 +167,9 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
     )
     # Peers may be dead or blocked: no collective clean-up, leave now with a failure status.
     os._exit(1)
+
+
+__all__ = [
+    "resolve_device",
+    "run_rank",
+]

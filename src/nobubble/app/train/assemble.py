@@ -78,14 +78,14 @@ def make_schedule(cfg: TrainConfig) -> Schedule:
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     placement = cfg.schedule_spec.placement(cfg.stages)
     if cfg.is_hf:
-        check_hf_vocab(cfg, vocab_size)
+        _check_hf_vocab(cfg, vocab_size)
         return Plan(cfg, placement, None, [])
     model_cfg = model_config(cfg.model, vocab_size, cfg.seq_len)
     ranges = partition_layers(model_cfg, placement.num_stages, seq_len=cfg.seq_len)  # v·P
     return Plan(cfg, placement, model_cfg, ranges)
 
 
-def check_hf_vocab(cfg: TrainConfig, vocab_size: int) -> None:
+def _check_hf_vocab(cfg: TrainConfig, vocab_size: int) -> None:
     """The data's token ids must fit the Hugging Face model's embedding."""
     from nobubble.model.hf import config_vocab
 
@@ -196,11 +196,11 @@ def _gpt_per_stage(plan: Plan, local: Sequence[int], device: torch.device | None
 
 def load_data(cfg: TrainConfig) -> TokenData:
     data = prepare_data(cfg.data_config())
-    check_val_split(cfg, data)
+    _check_val_split(cfg, data)
     return data
 
 
-def check_val_split(cfg: TrainConfig, data: TokenData) -> None:
+def _check_val_split(cfg: TrainConfig, data: TokenData) -> None:
     """Refuse data whose validation split holds less than one micro-batch of windows now,
     before training, rather than at the first evaluation."""
     windows, batch = data.num_val_windows, cfg.global_micro_batch_size
@@ -245,8 +245,6 @@ def make_pipeline(plan: Plan, stages: list[nn.Module], observe: Observer | None 
 __all__ = [
     "Model",
     "Plan",
-    "check_hf_vocab",
-    "check_val_split",
     "load_data",
     "make_model",
     "make_pipeline",

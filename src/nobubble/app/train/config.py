@@ -289,3 +289,13 @@ def _largest(fits: Callable[[int], bool], upper: int) -> int:
 
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
+
+
+__all__ = [
+    "BACKENDS",
+    "DEVICES",
+    "MEMORY_SHARE",
+    "PROCESS_BYTES",
+    "RUNTIME_ONLY",
+    "TrainConfig",
+]

@@ -9,7 +9,6 @@ A field that configures the pipeline has the name of the spec field it fills
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, fields
 from functools import partial
@@ -218,11 +217,10 @@ def check_positive(name: str, value: object, minimum: int = 1) -> None:
         raise ValueError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_finite_nonnegative(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value >= 0)
-    ):
-        flag = name.replace("_", "-")
-        raise ValueError(f"--{flag} must be a finite number >= 0, got {value!r}")
+__all__ = [
+    "GPT2_VOCAB_SIZE",
+    "TrainFields",
+    "check_choice",
+    "check_port",
+    "check_positive",
+]

@@ -326,3 +326,14 @@ def run_summary(
         "peak_weight_versions": [p[2] for p in peaks],
         "sample": text,
     }
+
+
+__all__ = [
+    "RunResult",
+    "Trainer",
+    "git_revision",
+    "provenance",
+    "resolve_run_dir",
+    "run_summary",
+    "validation_loss",
+]

@@ -317,3 +317,13 @@ def shard_optimizer(fsdp: FSDPStage, optimizer: Any) -> Any:
     if "muon" in parts:
         parts["muon"] = ShardedMuon(parts["muon"], fsdp.dp)
     return optimizer
+
+
+__all__ = [
+    "SHARDS",
+    "FSDPStage",
+    "ShardedVersions",
+    "check_ties",
+    "shard_optimizer",
+    "shard_stage",
+]
