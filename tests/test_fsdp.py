@@ -30,6 +30,7 @@ from torch import nn
 import nobubble
 import test_api
 from _api_reference import M, Problem
+from nobubble.api.pipeline import Observer
 from test_api_dist import launch
 from test_data_parallel import RTOL, relative_error
 
@@ -127,10 +128,10 @@ def build(case: str, sharded: bool = True) -> tuple[nobubble.Pipeline, Problem]:
         schedule=schedule,
         microbatches=M,
         optimizer=options.pop("optimizer", adamw),
+        observe=Observer(strict_p2p=True),  # NCCL's completion rules on gloo too
         **options,
         **(extra if sharded else {}),
     )
-    pipe.runner_options = {"strict": True}
     return pipe, problem
 
 

@@ -17,10 +17,12 @@ finish their steps in later calls. Nothing is ever invented.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from nobubble.api.arguments import (
     TorchOptimizer,
@@ -78,7 +80,7 @@ class Pipeline(PipelineState, Evaluation):
 
     def __init__(
         self,
-        stages: Any,
+        stages: Sequence[nn.Module],
         loss_fn: LossFn,
         *,
         config: PipelineConfig | None = None,
@@ -100,7 +102,7 @@ class Pipeline(PipelineState, Evaluation):
             _materialize(self.stages, self.local, config.init, self.target)
         self.workers = [self._worker(s) for s in self.local]
         self.by_stage = {w.stage: w for w in self.workers}
-        self._check_muon_found()
+        self._check_matrices_found()
         self.step_count = 0  # optimizer steps completed by every stage
         self.fed = 0  # batches fed
         self.batches: dict[int, tuple[Tree, Tree]] = {}  # micro-batch -> (inputs, targets)
@@ -207,7 +209,7 @@ class Pipeline(PipelineState, Evaluation):
         worker.ties = list(self.ties)
         return worker
 
-    def _check_muon_found(self) -> None:
+    def _check_matrices_found(self) -> None:
         optimizer = self.config.optimizer.optimizer
         if not isinstance(optimizer, str) or self.rank is not None:
             return

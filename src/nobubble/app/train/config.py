@@ -1,9 +1,12 @@
 """``TrainConfig``: everything a training run needs, validated on construction.
 
 Flat on purpose: one field per command-line flag (``--ef-lambda`` is ``ef_lambda``), so a config
-file (JSON or TOML with the same keys) and the flags are the same thing. The component configs
-(``OptimConfig``, ``DataConfig``, the model preset) are derived from it and validate their own
-parts; everything that can be checked without data is checked here, before any work starts.
+file (JSON or TOML with the same keys), the flags and a checkpoint's fingerprint are the same
+thing. A field that configures the pipeline has the name of its spec field
+(``nobubble.api.config``): ``pipeline_config()`` builds the specs from those fields and they
+check them, with the same texts as ``Pipeline``'s. The other component configs (``OptimConfig``,
+``DataConfig``, the model preset) are derived too; what only a run has (drain and checkpoint
+points, model depth, memory) is checked here, all before any work starts.
 """
 
 from __future__ import annotations
@@ -59,10 +62,12 @@ RUNTIME_ONLY = (
 class TrainConfig(TrainFields):
     """One training run. Every field is a ``nobubble train`` flag of the same name.
 
-    schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion, or
-        soap | adan | mars | normuon with the optim extra.
-    correction: none | ef (update-level error feedback, ``ef_lambda``) | sync-warmup
-        (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
+    schedule: one of ``nobubble schedules``. optimizer: a name of the optimizer registry
+        (adamw | muon | nadam | lion, or soap | adan | mars | normuon | adamuon with the optim
+        extra).
+    correction: a name of the correction registry: none | ef (update-level error feedback,
+        ``ef_lambda``) | predict | delay-lr (``delay_lr_steps``; 0 means 25 % of the steps) |
+        sync-warmup (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
     stages: pipeline ranks P (the stages too, but for interleaved-1f1b and zbv).
     virtual_stages: interleaved-1f1b's stages per rank v (default 2); the model is cut into
         v·P stages (zbv: 2P). microbatches: M per step. accum: ``a`` of pipedream/paci.
