@@ -62,41 +62,30 @@ RUNTIME_ONLY = (
 class TrainConfig(TrainFields):
     """One training run. Every field is a ``nobubble train`` flag of the same name.
 
-    schedule: one of ``nobubble schedules``. optimizer: a name of the optimizer registry
-        (adamw | muon | nadam | lion, or soap | adan | mars | normuon | adamuon with the optim
-        extra).
-    correction: a name of the correction registry: none | ef (update-level error feedback,
-        ``ef_lambda``) | predict | delay-lr (``delay_lr_steps``; 0 means 25 % of the steps) |
-        sync-warmup (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
-    stages: pipeline ranks P (the stages too, but for interleaved-1f1b and zbv).
-    virtual_stages: interleaved-1f1b's stages per rank v (default 2); the model is cut into
-        v·P stages (zbv: 2P). microbatches: M per step. accum: ``a`` of pipedream/paci.
-    micro_batch_size: sequences per micro-batch. steps: optimizer steps. lr: peak learning rate.
-    clip: gradient-norm clip (0 disables). clip_scope: auto (global for synchronous schedules,
-        per stage for asynchronous ones, which must not synchronize stages) | stage | global.
-    eval_every: validation every K steps; asynchronous schedules drain there (design.md sec. 5).
+    The pipeline's options are the fields of its specs, documented there (nobubble.api.config:
+    ``ScheduleSpec`` schedule, microbatches, accum, virtual_stages; ``CorrectionSpec``
+    correction, ef_lambda, delay_lr_steps, sync_warmup; optimizer, clip, clip_scope;
+    ``RuntimeSpec`` runtime, dist_timeout, data_parallel, bucket_mb, shard; ``ComputeSpec``
+    dtype, paci_recompute, fused_grad_accumulation). What only a run has:
+
+    stages: pipeline ranks P (the stages too, but for interleaved-1f1b, v·P, and zbv, 2P).
+    micro_batch_size: sequences per micro-batch, per replica: the run reads global micro-batches
+        of data_parallel·micro_batch_size sequences, replica r the r-th slice of each.
+    steps: optimizer steps. lr: peak learning rate (linear warm-up over warmup_frac of the
+        steps, cosine to min_lr_ratio of it); weight_decay, momentum, fused_adamw: the
+        optimizer's (``OptimConfig``). clip: 0 disables.
+    eval_every: validation every K steps; asynchronous schedules drain there.
     checkpoint_every: checkpoint every K steps (a multiple of eval_every); 0 = only at the end.
-    dtype: fp32 | bf16 (autocast, fp32 master weights). paci_recompute: recompute the stage
-        forward at backward time instead of keeping the forward's graph. fused_adamw: AdamW
-        through torch's fused kernel. fused_grad_accumulation: Linear and Embedding layers add
-        their weight gradient into ``.grad`` inside the backward (``Pipeline``'s argument).
     threads: torch intra-op threads per process (0: torch's default; the multi-process runtime
         defaults to cores / stages, since OpenMP threads that outnumber cores spin and stall).
     stop_at: stop after the checkpoint of this step (a planned interruption; --resume continues).
-    dist_timeout: seconds a rank waits for a peer before it gives up: a hung rank is caught
-        that way, and every process is gone within it + 6 s. master_port: rendezvous port
-        (0: a free one).
+    dist_timeout: a hung rank is caught that way, and every process is gone within it + 6 s.
+    master_port: rendezvous port (0: a free one).
     device: auto (cuda when available, else cpu) | cpu | cuda: where each rank's stage runs.
     backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl (gloo on cuda: ranks share GPUs,
         every transfer through host memory; a debugging mode, docs/runtime.md).
     strict_p2p: run point-to-point under NCCL's completion rules on any backend (one stream per
         rank; a testing aid that makes an order NCCL would deadlock on hang on gloo too).
-    data_parallel: D pipeline replicas (--runtime dist): P·D processes; each stage averages its
-        gradients over its D replicas before every step. ``micro_batch_size`` is per replica:
-        the run reads global micro-batches of D·micro_batch_size sequences, replica r the r-th
-        slice of each. bucket_mb: the all-reduce's bucket size. shard: none | fsdp (each
-        stage's parameters, gradients and optimizer state sharded across its D replicas with
-        FSDP2; needs data_parallel >= 2 and adamw, nadam, lion or muon).
     model: a preset (tiny, mini, ...) or hf:PATH, a Hugging Face model folder or config.json
         (Llama family or GPT-2; a config alone gets a random init from --seed).
     untie_embeddings: a Hugging Face model with tied embeddings trains its head as a separate
