@@ -113,3 +113,44 @@ def test_former_keywords_are_accepted_as_the_one_name():
     assert set(ALIASES.values()) <= set(PipelineConfig.keywords())
     with pytest.raises(TypeError, match="unknown keyword 'recompte'; valid keywords: accum"):
         PipelineConfig.build(recompte=True)
+
+
+REFUSALS = [  # the same options, refused by the command line's config and by Pipeline
+    {"schedule": "1f1b", "correction": "ef"},
+    {"schedule": "paci", "clip": 1.0, "clip_scope": "global"},
+    {"schedule": "paci", "correction": "ef", "delay_lr_steps": 10},
+    {"schedule": "1f1b", "paci_recompute": True},
+    {"schedule": "zb-h1", "fused_grad_accumulation": True},
+    {"schedule": "1f1b", "accum": 2},
+    {"schedule": "2bw", "microbatches": 1},
+    {
+        "schedule": "paci",
+        "runtime": "dist",
+        "data_parallel": 2,
+        "shard": "fsdp",
+        "optimizer": "soap",
+    },
+    {
+        "schedule": "paci",
+        "runtime": "dist",
+        "data_parallel": 2,
+        "shard": "fsdp",
+        "correction": "predict",
+    },
+]
+
+
+@pytest.mark.parametrize("options", REFUSALS, ids=lambda o: "-".join(map(str, o.values())))
+def test_a_refusal_reads_the_same_from_the_command_line_and_from_python(options):
+    """Each rule is written once (a registry entry or a spec): TrainConfig and Pipeline raise
+    the same text for the same options."""
+    from torch import nn
+
+    import nobubble
+
+    with pytest.raises(ValueError) as from_cli:
+        TrainConfig(stages=3, **options)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    with pytest.raises(ValueError) as from_api:
+        nobubble.Pipeline(list(model), nn.functional.mse_loss, **options)
+    assert str(from_cli.value) in str(from_api.value)
