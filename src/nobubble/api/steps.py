@@ -314,6 +314,14 @@ class StepLoop:
         in_flight = self.fed * self.microbatches - finished_mb
         return StepResult(losses, list(steps), steps, in_flight)
 
+    def spans(self) -> list[tuple[Action, Any, Any]]:
+        """Every action this process ran with its start and end, rank by rank in order
+        (recorded under ``Observer(record=True)``; empty otherwise)."""
+        interpreters = getattr(self.emulator, "interpreters", None)
+        if interpreters is None:  # this rank's runner: one interpreter, once it has started
+            interpreters = [i for i in [self.emulator.interpreter] if i is not None]
+        return [span for interpreter in interpreters for span in interpreter.spans]
+
     def close(self) -> None:
         """With runtime="dist": leave the process group (every rank, after the last step)."""
         if self.rank is not None:

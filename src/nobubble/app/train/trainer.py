@@ -248,10 +248,9 @@ class Trainer:
         durations: dict[str, dict[str, list[float]]] = {}
         if self.start_step and path.exists():
             durations = json.loads(path.read_text())["durations_s"]
-        for interpreter in self.pipe.emulator.interpreters:
-            for action, start, end in interpreter.spans:
-                kinds = durations.setdefault(str(action.stage), {})
-                kinds.setdefault(action.kind, []).append(round(end - start, 7))
+        for action, start, end in self.pipe.spans():
+            kinds = durations.setdefault(str(action.stage), {})
+            kinds.setdefault(action.kind, []).append(round(end - start, 7))
         path.write_text(json.dumps({"durations_s": durations}) + "\n")
 
     def _write_config(self) -> None:
