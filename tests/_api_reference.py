@@ -20,6 +20,7 @@ from torch import nn
 
 import nobubble
 from _reference import LiveWeightsLoop
+from nobubble.api.pipeline import Observer
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import Ledger
 
@@ -74,16 +75,17 @@ def run_pipeline(
     **kwargs: Any,
 ) -> tuple[nobubble.Pipeline, list[float], nn.Module]:
     model = problem.make_model()
-    runner_options = kwargs.pop("runner_options", {})  # runtime="dist": e.g. {"strict": True}
+    # runtime="dist": NCCL's completion rules on any backend (strict_p2p=True), or eager posting
+    observe = Observer(strict_p2p=kwargs.pop("strict_p2p", False))
     pipe = nobubble.Pipeline(
         problem.cut(model, stages_n),
         problem.loss_fn,
         schedule=schedule,
         microbatches=M,
         optimizer=kwargs.pop("optimizer", adamw),
+        observe=observe,
         **kwargs,
     )
-    pipe.runner_options = runner_options
     losses: dict[int, float] = {}
     for j in range(steps):
         result = pipe.step(*problem.batch(j))

@@ -65,7 +65,7 @@ for schedule, transport in [(s, t) for s in schedules for t in ("strict", "eager
     options = {"accum": 4} if schedule == "pipedream" else {}  # M=4 (pipedream's default a=1)
     pipe, losses, _ = run_pipeline(problems.PROBLEMS["seq"], schedule, stages, 4, 2, clip=0.5,
                                    runtime="dist", timeout=60,
-                                   runner_options={"strict": transport == "strict"}, **options)
+                                   strict_p2p=transport == "strict", **options)
     saved[schedule, transport] = {
         "losses": losses,
         "weights": {n: p.detach().clone() for n, p in pipe.stages[pipe.rank].named_parameters()},
@@ -94,7 +94,7 @@ problem, saved = test_api_dist.DEEP, {}
 for schedule, transport in [(s, t) for s in schedules for t in ("strict", "eager")]:
     pipe, losses, _ = run_pipeline(problem, schedule, 2 * stages, 4, 2, clip=0.5,
                                    runtime="dist", timeout=60,
-                                   runner_options={"strict": transport == "strict"})
+                                   strict_p2p=transport == "strict")
     saved[schedule, transport] = {
         "losses": losses,
         "weights": {s: {n: p.detach().clone() for n, p in pipe.stages[s].named_parameters()}

@@ -38,14 +38,15 @@ import json, sys, torch
 out, schedules = sys.argv[1], json.loads(sys.argv[2])
 import problems, nobubble
 from _api_reference import M, adamw
+from nobubble.api.pipeline import Observer
 problem = problems.PROBLEMS["seq"]
 saved = {}
 for schedule, options in schedules.items():
     model = problem.make_model()
     pipe = nobubble.Pipeline(problem.cut(model, 2), problem.loss_fn, schedule=schedule,
                              microbatches=M, optimizer=adamw, runtime="dist", timeout=60,
-                             data_parallel=2, bucket_mb=0.0005, **options)
-    pipe.runner_options = {"strict": True}
+                             data_parallel=2, bucket_mb=0.0005,
+                             observe=Observer(strict_p2p=True), **options)
     losses = {}
     for j in range(%(steps)d):
         x, y = problem.batch(j)

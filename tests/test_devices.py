@@ -10,8 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nobubble.app.train.assemble import Plan, load_data, make_plan, make_stages, stage_correction
+from nobubble.app.train.assemble import (
+    Plan,
+    load_data,
+    make_plan,
+    make_schedule,
+    make_stages,
+    stage_correction,
+)
 from nobubble.app.train.config import TrainConfig
+from nobubble.core.ledger import build_ledger
 from nobubble.data import TokenData
 from nobubble.engine import InProcessTransport, Interpreter, StageWorker, misplaced
 from nobubble.engine import worker as worker_module
@@ -59,10 +67,11 @@ def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker
     def lr_fn(step: int) -> float:
         return lr_at(step, cfg.steps, optim_cfg)
 
+    schedule = make_schedule(cfg)
     return StageWorker(
         module,
-        plan.schedule,
-        plan.ledger.stages[module.stage],
+        schedule,
+        build_ledger(schedule).stages[module.stage],
         optimizer,
         stage_correction(cfg),
         batch_fn,
@@ -104,11 +113,11 @@ def test_a_forgotten_move_to_the_device_is_named(setup, monkeypatch):
 def trained_parts(setup) -> list[dict]:
     """Checkpoint parts after two real CPU steps of 2bw + EF with Muon: optimizer state, the
     error-feedback buffer and two stashed weight versions."""
-    cfg, _, plan = setup
+    cfg, _, _ = setup
     workers = workers_on(setup, torch.device("cpu"))
     transport = InProcessTransport(cfg.stages)
     interpreters = [Interpreter([w], transport, cfg.stages) for w in workers]
-    Emulator(plan.schedule, interpreters, transport).run(cfg.steps)
+    Emulator(make_schedule(cfg), interpreters, transport).run(cfg.steps)
     return [w.state_dict() for w in workers]
 
 

@@ -197,11 +197,9 @@ def test_a_resume_whose_global_batch_differs_is_refused_and_writes_nothing(refer
 def test_data_parallel_below_one_and_with_the_emulator_are_refused(corpus, tmp_path, capsys):
     out = tmp_path / "never"
     for flags, message in (
-        (["--data-parallel", "0", "--runtime", "dist"], "--data-parallel must be an integer >= 1"),
-        (
-            ["--data-parallel", "2", "--runtime", "emulate"],
-            "--data-parallel 2 needs --runtime dist",
-        ),
+        # the API's refusals, one text each (nobubble.api.config.RuntimeSpec)
+        (["--data-parallel", "0", "--runtime", "dist"], "data_parallel=0 is not allowed"),
+        (["--data-parallel", "2", "--runtime", "emulate"], "data_parallel=2 needs runtime='dist'"),
     ):
         code = main(["train", *dp_flags(corpus)[:-2], *flags, "--out", str(out)])
         err = capsys.readouterr().err

@@ -30,6 +30,7 @@ from torch import nn
 import nobubble
 import test_api
 from _api_reference import M, Problem
+from nobubble.api.pipeline import Observer
 from test_api_dist import launch
 from test_data_parallel import RTOL, relative_error
 
@@ -127,10 +128,10 @@ def build(case: str, sharded: bool = True) -> tuple[nobubble.Pipeline, Problem]:
         schedule=schedule,
         microbatches=M,
         optimizer=options.pop("optimizer", adamw),
+        observe=Observer(strict_p2p=True),  # NCCL's completion rules on gloo too
         **options,
         **(extra if sharded else {}),
     )
-    pipe.runner_options = {"strict": True}
     return pipe, problem
 
 
@@ -397,10 +398,10 @@ def test_a_scalar_parameter_is_refused_before_fsdp_touches_the_stage():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--shard", "fsdp", "--runtime", "dist"], "--shard fsdp .* --data-parallel 2 or more"),
+        (["--shard", "fsdp", "--runtime", "dist"], "shard='fsdp' .* use data_parallel >= 2"),
         (
             ["--shard", "fsdp", "--runtime", "dist", "--data-parallel", "2", "--optimizer", "soap"],
-            "--shard fsdp with --optimizer soap",
+            "optimizer='soap' with shard='fsdp'",
         ),
         (
             ["--shard", "fsdp", "--runtime", "dist", "--data-parallel", "2", "--schedule", "zbv"],

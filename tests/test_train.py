@@ -157,7 +157,7 @@ def test_out_dir_holding_a_run_is_not_overwritten(corpus, tmp_path):
         (["--lr", "-1"], "lr=-1.0"),
         (["--schedule", "2bw", "--stages", "4", "--microbatches", "2"], "2bw needs"),
         (["--schedule", "1f1b", "--correction", "ef"], "synchronous"),
-        (["--schedule", "paci", "--clip-scope", "global"], "synchronize the stages"),
+        (["--schedule", "paci", "--clip-scope", "global"], "the stages of the asynchronous paci"),
         (["--schedule", "zbv", "--stages", "3"], "cuts the model into 6 stages (2 per rank"),
         (["--schedule", "zb-h1", "--virtual-stages", "2"], "does not apply"),
         (["--schedule", "interleaved-1f1b", "--microbatches", "5"], "equal rounds"),
@@ -247,3 +247,26 @@ def test_a_run_stopped_with_stop_at_resumes_to_its_end_from_the_command_line(
     assert f"the checkpoint in '{out}' is at step 8 and the run ends at step 8" in err
     assert "give a larger --steps" in err
     assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_run_builds_one_schedule_and_reports_the_one_that_ran(corpus, tmp_path, monkeypatch):
+    """Every schedule generated during a run is a horizon of the pipeline's own (regenerated
+    longer as batches come), none is built beside it; ledger.json is that schedule's ledger,
+    through the run's last step."""
+    from nobubble.api.steps import StepLoop
+    from nobubble.core import schedules
+
+    generated, horizons = [], []
+    generate, horizon = schedules.generate_resolved, StepLoop._generate
+    monkeypatch.setattr(
+        schedules, "generate_resolved", lambda *a, **k: generated.append(a) or generate(*a, **k)
+    )
+    monkeypatch.setattr(
+        StepLoop, "_generate", lambda self, steps: horizons.append(steps) or horizon(self, steps)
+    )
+    trainer = Trainer(small(corpus, tmp_path / "run", schedule="2bw", sample_tokens=0))
+    trainer.run()
+    assert generated and len(generated) == len(horizons)
+    assert trainer.pipe.schedule.num_steps == trainer.cfg.steps
+    written = json.loads((tmp_path / "run" / "ledger.json").read_text())
+    assert written["summary"] == json.loads(json.dumps(trainer.pipe.ledger.summary()))

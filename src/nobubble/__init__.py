@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Pipeline": "nobubble.api.pipeline",
+    "PipelineConfig": "nobubble.api.config",
     "StepResult": "nobubble.api.pipeline",
     "MicrobatchLoss": "nobubble.api.pipeline",
     "split": "nobubble.api.splitting",
@@ -32,6 +33,7 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from nobubble.api.config import PipelineConfig as PipelineConfig
     from nobubble.api.materializing import materialize as materialize
     from nobubble.api.pipeline import MicrobatchLoss as MicrobatchLoss
     from nobubble.api.pipeline import Pipeline as Pipeline

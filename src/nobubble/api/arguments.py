@@ -1,10 +1,10 @@
-"""The arguments of ``Pipeline`` checked and resolved before any work starts (stages, devices,
-backend, data parallelism, tied parameters, learning rates), and ``TorchOptimizer``: a user's
-``torch.optim.Optimizer`` as a stage optimizer."""
+"""What ``Pipeline`` checks and resolves from its stages before any work starts (the stages
+themselves, tied parameters, ranks, the device of meta stages, learning rates), and
+``TorchOptimizer``: a user's ``torch.optim.Optimizer`` as a stage optimizer. The configuration's
+own checks live with its specs (api/config.py and the registries)."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,18 +13,6 @@ import torch
 from torch import nn
 
 from nobubble.engine.ties import Tie
-from nobubble.optim import CORRECTIONS, DelayAwareLR
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
-
-
-RUNTIMES = ("emulate", "dist")
-
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 class TorchOptimizer:
@@ -107,45 +95,10 @@ def target_device(device: str | torch.device | None, runtime: str) -> torch.devi
 
 
 def fsdp_module() -> Any:
-    """Sharding within a stage (the runtime layer), imported only with shard="fsdp"."""
+    """Sharding within a stage (runtime/distributed/fsdp.py), imported only with shard="fsdp"."""
     from nobubble.runtime.distributed import fsdp
 
     return fsdp
-
-
-def check_backend(backend: Any, runtime: str) -> None:
-    if backend is None:
-        return
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is unknown: use 'nccl', 'gloo' or None")
-    if runtime != "dist":
-        raise ValueError(
-            f"backend={backend!r} applies to runtime='dist'; the emulator runs every stage in "
-            "this process: leave backend=None"
-        )
-
-
-def check_data_parallel(
-    data_parallel: Any, bucket_mb: Any, runtime: str, num_ranks: int, num_stages: int
-) -> tuple[int, float]:
-    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
-        raise ValueError(
-            f"data_parallel={data_parallel!r} is not allowed: use the number of pipeline "
-            "replicas, an integer >= 1"
-        )
-    if data_parallel > 1 and runtime != "dist":
-        raise ValueError(
-            f"data_parallel={data_parallel} needs runtime='dist' (one process per stage and "
-            "replica); the emulator runs one replica: give it micro-batches data_parallel "
-            "times larger for the same numbers"
-        )
-    if data_parallel > 1 and num_ranks != num_stages:
-        raise ValueError(
-            "data_parallel > 1 runs one stage per rank: use a schedule without virtual stages"
-        )
-    if not (isinstance(bucket_mb, int | float) and math.isfinite(bucket_mb) and bucket_mb > 0):
-        raise ValueError(f"bucket_mb={bucket_mb!r}: use a bucket size in MB > 0")
-    return data_parallel, float(bucket_mb)
 
 
 def num_ranks_of(schedule: str, num_stages: int, virtual: int) -> int:
@@ -209,38 +162,13 @@ def adamw_matrices(module: nn.Module) -> set[str]:
     return names
 
 
-def check_correction(
-    correction: str,
-    schedule: str,
-    synchronous: bool,
-    sync_warmup: int,
-    delay_lr_steps: int | None,
-    shard: str,
-) -> int:
-    """Refuse a delay correction that does not apply, with the fix; return the synchronous
-    warm-up steps (0 but under correction="sync-warmup")."""
-    if correction not in CORRECTIONS:
-        raise ValueError(f"correction={correction!r} is unknown: use one of {CORRECTIONS}")
-    if correction != "none" and synchronous:
-        raise ValueError(
-            f"correction={correction!r} corrects asynchronous schedules; {schedule} is "
-            "synchronous: use correction='none'"
-        )
-    if correction == "sync-warmup" and not (isinstance(sync_warmup, int) and sync_warmup > 0):
-        raise ValueError(
-            f"correction='sync-warmup' needs sync_warmup >= 1 steps, got {sync_warmup!r}"
-        )
-    if correction == "delay-lr":
-        DelayAwareLR(delay_lr_steps)  # type: ignore[arg-type]  # refuses a bad value now
-    elif delay_lr_steps is not None:
-        raise ValueError(
-            f"delay_lr_steps={delay_lr_steps!r} applies to correction='delay-lr' only, not "
-            f"{correction!r}: drop it or use correction='delay-lr'"
-        )
-    if shard == "fsdp" and correction == "predict":
-        raise ValueError(
-            "correction='predict' with shard='fsdp': a prediction is a whole-stage weight "
-            "copy, which the sharded versions do not keep; use correction='ef' or "
-            "'delay-lr', or shard='none'"
-        )
-    return sync_warmup if correction == "sync-warmup" else 0
+__all__ = [
+    "TorchOptimizer",
+    "adamw_matrices",
+    "check_stages",
+    "find_ties",
+    "fsdp_module",
+    "num_ranks_of",
+    "scaled_lr",
+    "target_device",
+]

@@ -16,9 +16,8 @@ finish their steps in later calls. Nothing is ever invented.
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,8 @@ import torch
 from torch import nn
 
 from nobubble.api.arguments import (
-    DTYPES,
-    RUNTIMES,
-    LossFn,
-    OptimizerFactory,
     TorchOptimizer,
     adamw_matrices,
-    check_backend,
-    check_correction,
-    check_data_parallel,
     check_stages,
     find_ties,
     fsdp_module,
@@ -42,105 +34,48 @@ from nobubble.api.arguments import (
     scaled_lr,
     target_device,
 )
+from nobubble.api.config import DTYPES, InitSpec, LossFn, PipelineConfig
 from nobubble.api.evaluation import Evaluation
 from nobubble.api.materializing import materialize, on_meta
 from nobubble.api.pipeline_state import PipelineState
-from nobubble.api.steps import FIRST_HORIZON, MicrobatchLoss, StepResult, dist_runner
+from nobubble.api.steps import FIRST_HORIZON, MicrobatchLoss, Observer, StepResult, dist_runner
 from nobubble.core.ir import ScheduleError
-from nobubble.core.schedules import (
-    check_trainable,
-    resolve_microbatches,
-    resolve_virtual_stages,
-    schedule_info,
-)
 from nobubble.engine import InProcessTransport, StageWorker
-from nobubble.engine.grad_fusion import check_fusable, fuse_grad_accumulation
+from nobubble.engine.grad_fusion import fuse_grad_accumulation
 from nobubble.engine.tree import Tree
-from nobubble.optim import (
-    OptimConfig,
-    StageOptimizer,
-    build_optimizer,
-    make_correction,
-)
-from nobubble.optim.config import OPTIMIZERS
+from nobubble.optim import StageOptimizer, build_optimizer, optimizer_entry
 
 
 class Pipeline(PipelineState, Evaluation):
-    """Pipeline-parallel training of ``stages`` under ``schedule``.
+    """Pipeline-parallel training of ``stages`` under a schedule.
 
-    Arguments (keywords after ``loss_fn``):
-        stages: the stage modules, in order; stage s's output is stage s+1's input (a tensor
-            is passed as the one argument, a tuple as positional and a dict as keyword ones).
-            One per rank, except for interleaved-1f1b (v per rank: v·P modules for P ranks)
-            and zbv (2 per rank in a V: 2P modules).
-        loss_fn: ``loss_fn(outputs, targets)``, the scalar loss of one micro-batch, on the last
-            stage. The pipeline averages it over the micro-batches of a step.
-        schedule: one of ``nobubble.SCHEDULES`` (gpipe, 1f1b, pipedream, 2bw, paci, and the
-            synchronous interleaved-1f1b, zb-h1 and zbv; both runtimes run all of them).
-        virtual_stages: interleaved-1f1b's stages per rank, v (default 2; zbv's is 2).
-        microbatches: micro-batches per optimizer step, M. ``accum`` sets the accumulation
-            factor of pipedream and paci instead (their M; default 1 and M).
-        optimizer: a name (adamw, muon, nadam, lion; muon routes the 2-D hidden matrices to Muon
-            and embeddings, output heads and 1-D tensors to AdamW) or a callable that receives
-            one stage's ``named_parameters()`` list and returns a ``torch.optim.Optimizer``,
-            used as returned.
-        lr: the learning rate of a named optimizer, or ``lr(step)`` giving it at each step
-            index 0, 1, ...; ``optimizer_options`` sets the rest of
-            ``nobubble.optim.OptimConfig`` (weight_decay, betas, momentum, ...).
-        lr_schedule: ``factor(step)`` multiplying the learning rate at step index 0, 1, ...;
-            None keeps it constant.
-        clip: the largest gradient norm; None: no clipping. ``clip_scope``: "global" (the
-            whole model's norm, over all stages together), "stage" (each stage's own), or
-            "auto": global for the synchronous schedules, per stage for the asynchronous ones,
-            whose stages do not step together.
-        correction: a delay correction of the asynchronous schedules (docs/semantics.md):
-            "none"; "ef" (error feedback with ``ef_lambda``, scaled by each stage's delay);
-            "predict" (delayed forwards read their version extrapolated along its last update
-            by the delay); "delay-lr" (each stage's lr damped by (1 + delay) ** -(1 - k /
-            ``delay_lr_steps``) over the first ``delay_lr_steps`` steps); or "sync-warmup" (the
-            first ``sync_warmup`` steps flushed).
-        dtype: "fp32", or "bf16" for bf16 autocast with fp32 master weights.
-        recompute: paci only: keep the stage input and recompute the forward at backward.
-        fused_grad_accumulation: each local stage's stock ``nn.Linear`` and ``nn.Embedding``
-            layers add their weight gradient into ``.grad`` inside the backward's own kernel
-            (``addmm_``, ``index_add_``, as Megatron-LM's gradient-accumulation fusion), so a
-            backward never holds a fresh gradient of a weight beside the accumulated one (their
-            class becomes ``FusedGradLinear`` / ``FusedGradEmbedding``; parameters and state dicts
-            are unchanged). Results differ from autograd's accumulation in the last bits. Not
-            with a split backward (zb-h1, zbv) or data_parallel >= 2.
-        runtime: "emulate" runs every stage in this process; "dist" runs rank r's stages in
-            the process of rank r (start P processes, e.g. with torchrun; each builds the same
-            stages and feeds the same batches, and only its own stages are used: stage r, or
-            interleaved-1f1b's r, r+P, ... and zbv's r and 2P-1-r).
-        timeout: seconds a "dist" rank waits for a peer before it reports which one it waited
-            for.
-        backend: with runtime="dist", the process group's backend when the pipeline starts it:
-            "nccl", or "gloo" (None: NCCL for stages on a GPU, else gloo). gloo with stages on a
-            GPU moves every tensor through host memory, so several ranks can share one GPU, to
-            debug (NCCL refuses two ranks on one GPU; docs/runtime.md). A group already started
-            is used as it is, and must have this backend.
-        data_parallel: with runtime="dist", D replicas of the pipeline: the world is P·D
-            processes on a DeviceMesh with dims ("dp", "pp"), and before each of its steps a
-            stage averages its gradients over its D replicas (a bucketed all-reduce of
-            ``bucket_mb`` MB buckets). Each process feeds its replica's batch: ``shard`` cuts it
-            from a global batch, so that D replicas with micro-batches of b train as one
-            pipeline with micro-batches of D·b (up to the order of the average's additions).
-        shard: with data_parallel=D >= 2, "fsdp" shards each stage's parameters, gradients and
-            optimizer state across its D replicas with torch's FSDP2 (``fully_shard``): each
-            action gathers the weights it reads and each backward reduce-scatters its
-            gradients (docs/runtime.md); "none" (default) replicates them. Optimizers: adamw,
-            nadam, lion, muon (Newton-Schulz on the gathered matrix) or a callable, which gets
-            the DTensor parameters.
-        steps: the total number of steps, when known: the schedule then ends there (the last
-            drain keeps no weight version for a batch that will not come); None: open-ended.
-        seed, init, weights, device: for stages on the meta device (a model built under
-            ``torch.device("meta")`` and cut by ``nobubble.split``): this process gives real
-            tensors on ``device`` to the stages it runs, and only to those (default: the GPU of
-            LOCAL_RANK when CUDA is available under runtime="dist", else the CPU). ``weights``
-            (a safetensors file, or a folder with ``model.safetensors`` or a sharded index)
-            loads them, reading only their tensors; ``seed`` gives bitwise the values the
-            model's own init gives it built normally after ``torch.manual_seed(seed)``;
-            ``init(model)`` replaces that init (``nobubble.materialize``).
+    stages: the stage modules, in order; stage s's output is stage s+1's input (a tensor is
+        passed as the one argument, a tuple as positional and a dict as keyword ones). One per
+        rank, except for interleaved-1f1b (v per rank: v·P modules for P ranks) and zbv (2 per
+        rank in a V: 2P modules).
+    loss_fn: ``loss_fn(outputs, targets)``, the scalar loss of one micro-batch, on the last
+        stage. The pipeline averages it over the micro-batches of a step.
+    config: a ``PipelineConfig`` (nobubble.api.config), or keywords that build one, each the
+        field of the spec that documents it (``PipelineConfig.keywords()`` lists them):
+
+    - schedule (``ScheduleSpec``): schedule, one of ``nobubble.SCHEDULE_NAMES`` (gpipe, 1f1b,
+      pipedream, 2bw, paci, interleaved-1f1b, zb-h1, zbv; both runtimes run all of them);
+      microbatches (M per optimizer step), accum (``a`` of pipedream and paci), virtual_stages.
+    - optimizer (``OptimizerSpec``): optimizer (a registered name, e.g. adamw, muon, nadam, lion,
+      or a callable returning a ``torch.optim.Optimizer`` for a stage's named parameters), lr,
+      optimizer_options, lr_schedule, clip, clip_scope.
+    - correction (``CorrectionSpec``, docs/semantics.md): correction (none, ef, predict,
+      delay-lr, sync-warmup), ef_lambda, delay_lr_steps, sync_warmup.
+    - runtime (``RuntimeSpec``): runtime ("emulate": every stage here; "dist": rank r's stages in
+      process r, e.g. under torchrun, every process building the same stages and feeding the
+      same batches), dist_timeout, backend, data_parallel, bucket_mb, shard.
+    - compute (``ComputeSpec``): dtype, paci_recompute, fused_grad_accumulation.
+    - init (``InitSpec``): seed, init, weights, device, for stages on the meta device.
+    - steps: the total number of steps, when known (the last drain keeps no weight version for a
+      batch that will not come); None: open-ended.
+
+    observe: what ``nobubble train`` watches while the pipeline runs (``Observer``: every
+    action's span, the runtime's clock, NCCL's point-to-point rules, each step completed).
     """
 
     def __init__(
@@ -148,247 +83,203 @@ class Pipeline(PipelineState, Evaluation):
         stages: Sequence[nn.Module],
         loss_fn: LossFn,
         *,
-        schedule: str = "1f1b",
-        virtual_stages: int | None = None,
-        microbatches: int = 4,
-        accum: int | None = None,
-        optimizer: str | OptimizerFactory = "adamw",
-        lr: float | Callable[[int], float] = 1e-3,
-        optimizer_options: Mapping[str, Any] | None = None,
-        lr_schedule: Callable[[int], float] | None = None,
-        clip: float | None = None,
-        clip_scope: str = "auto",
-        correction: str = "none",
-        ef_lambda: float = 1.0,
-        delay_lr_steps: int | None = None,
-        sync_warmup: int = 0,
-        dtype: str = "fp32",
-        recompute: bool = False,
-        fused_grad_accumulation: bool = False,
-        runtime: str = "emulate",
-        steps: int | None = None,
-        timeout: float = 600.0,
-        data_parallel: int = 1,
-        bucket_mb: float = 25.0,
-        shard: str = "none",
-        backend: str | None = None,
-        seed: int | None = None,
-        init: Callable[[nn.Module], Any] | None = None,
-        weights: str | os.PathLike[str] | None = None,
-        device: str | torch.device | None = None,
+        config: PipelineConfig | None = None,
+        observe: Observer | None = None,
+        **keywords: Any,
     ) -> None:
+        self.config = config = PipelineConfig.build(config, **keywords)
+        self.observe = observe or Observer()
         self.stages = check_stages(stages)
-        on_meta_device = [s for s, module in enumerate(self.stages) if on_meta(module)]
-        given = [
-            k for k, v in (("seed", seed), ("init", init), ("weights", weights)) if v is not None
-        ]
-        if given and not on_meta_device:
-            raise ValueError(
-                f"{given[0]}= gives values to stages built on the meta device, and no stage is: "
-                f"build the model under torch.device('meta') before nobubble.split, or drop "
-                f"{given[0]}="
-            )
-        if steps is not None and (
-            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-        ):
-            raise ValueError(f"steps={steps!r}: use the total number of steps (>= 1), or None")
-        self.total_steps = steps
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(outputs, targets), got {loss_fn!r}")
         self.loss_fn = loss_fn
-        info = schedule_info(schedule)
-        if runtime not in RUNTIMES:
-            raise ValueError(
-                f"runtime={runtime!r} is unknown: use 'emulate' (every stage in this process) "
-                "or 'dist' (one process per stage, e.g. under torchrun)"
-            )
-        check_trainable(schedule, f"schedule={schedule!r}", runtime)
-        self.runtime = runtime
-        self.schedule_name = schedule
-        self.num_stages = len(self.stages)  # v·P: the schedule's stages
-        self.virtual_stages = resolve_virtual_stages(schedule, virtual_stages)
-        self.num_ranks = num_ranks_of(schedule, self.num_stages, self.virtual_stages)
-        self.microbatches = resolve_microbatches(schedule, microbatches, accum)
-        self.accum = accum
-        if not (isinstance(timeout, int | float) and timeout > 0):
-            raise ValueError(f"timeout={timeout!r}: use a number of seconds > 0")
-        self.timeout = float(timeout)
-        check_backend(backend, runtime)
-        self.sync_warmup = check_correction(
-            correction, schedule, info.synchronous, sync_warmup, delay_lr_steps, shard
-        )
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is unknown: use one of {tuple(DTYPES)}")
-        if recompute and schedule != "paci":
-            raise ValueError(f"recompute=True applies to paci only, not {schedule}")
-        if not isinstance(fused_grad_accumulation, bool):
-            raise TypeError(
-                f"fused_grad_accumulation must be a bool, got {fused_grad_accumulation!r}"
-            )
-        if fused_grad_accumulation:
-            check_fusable(schedule, info.split_backward, data_parallel)
-        if clip is not None and not (
-            isinstance(clip, int | float) and math.isfinite(clip) and clip > 0
-        ):
-            raise ValueError(f"clip={clip!r} is not allowed: use a finite number > 0, or None")
-        if clip_scope not in ("auto", "global", "stage"):
-            raise ValueError(
-                f"clip_scope={clip_scope!r} is unknown: use 'auto', 'global' or 'stage'"
-            )
-        if clip_scope == "global" and not info.synchronous:
-            raise ValueError(
-                f"clip_scope='global' would make the stages of the asynchronous {schedule} meet "
-                "before every step, which its order does not allow: use clip_scope='stage' (each "
-                "stage clips its own norm) or 'auto'"
-            )
-        if clip_scope == "auto":  # the whole model's norm where the stages step together
-            clip_scope = "global" if info.synchronous else "stage"
-        self.global_clip = clip is not None and clip_scope == "global"
-        self.ties = find_ties(self.stages)
-        # the stages meet before each step: for the global norm, or to add tied gradients
-        self.meets = self.global_clip or bool(self.ties)
-        if self.ties and not info.synchronous:
-            a, name_a, b, name_b = self.ties[0]
-            raise ValueError(
-                f"{name_b} of stage {b} is tied to {name_a} of stage {a}; {schedule} would "
-                "update the two copies at different times: split with untie=True "
-                "(--untie-embeddings) to train them as two parameters, or use a synchronous "
-                "schedule (gpipe, 1f1b), which adds their gradients before each step"
-            )
-        if lr_schedule is not None and not callable(lr_schedule):
-            raise TypeError(f"lr_schedule must be callable(step) -> factor, got {lr_schedule!r}")
-
-        # the first horizon; generating it checks the integers (P, M) with the generator's errors
-        self.drains: list[int] = []  # steps after which drain() was called
-        try:
-            self.schedule, self.ledger = self._generate(FIRST_HORIZON)
-        except ScheduleError as err:
-            raise ValueError(
-                f"schedule={schedule!r} on {self.num_ranks} ranks with microbatches="
-                f"{self.microbatches}: {err}"
-            ) from None
-        self.transport = InProcessTransport(self.num_stages)
-        where = self.schedule.placement
-        if runtime == "dist" and self.ties and where.stages_per_rank > 1:
-            a, name_a, b, name_b = self.ties[0]
-            raise ValueError(
-                f"{name_b} of stage {b} is tied to {name_a} of stage {a}: runtime='dist' adds "
-                f"tied gradients between ranks of one stage each, not under {schedule}'s "
-                f"{where.kind} placement; split with untie=True (--untie-embeddings), or use "
-                "runtime='emulate'"
-            )
-        self.data_parallel, self.bucket_mb = check_data_parallel(
-            data_parallel, bucket_mb, runtime, where.num_ranks, self.num_stages
-        )
-        # "none" or "fsdp" (``Pipeline.shard`` is the method that cuts a batch)
-        self.sharding = (
-            shard
-            if shard == "none"
-            else fsdp_module().check_shard(shard, data_parallel, optimizer, self.ties)
-        )
-        target = target_device(device, runtime)
-        self.mesh = (
-            None
-            if runtime == "emulate"
-            else dist_runner().join(
-                self.num_stages, self.stages, where, data_parallel, backend, device=target
-            )
-        )
-        # this process's pipeline rank (its pp coordinate) and its replica (dp coordinate)
-        self.rank = None if self.mesh is None else self.mesh.pp_rank
-        self.dp_rank = 0 if self.mesh is None else self.mesh.dp_rank
-        # the stages run here: all of them, or the rank's (one, or v in pipeline order)
-        self.local = (
-            list(range(self.num_stages)) if self.rank is None else list(where.stages_of(self.rank))
-        )
-        if any(s in on_meta_device for s in self.local):
-            if not given:
-                raise ValueError(
-                    f"stage {self.local[0]} is on the meta device: give seed= (the seed the model "
-                    "would be built with, after torch.manual_seed), init= (your init of the whole "
-                    "model) or weights= (a safetensors file or folder)"
-                )
-            where_to = target if target is not None else torch.device("cpu")
-            weights_path = Path(os.fspath(weights)) if weights is not None else None
-            materialize(
-                self.stages, self.local, seed=seed, init=init, weights=weights_path, device=where_to
-            )
-        self.workers: list[StageWorker] = []
-        # per local stage, the layers whose backward adds into .grad (fused_grad_accumulation)
-        self.fused_layers: dict[int, list[str]] = {}
-        for s in self.local:
-            module = self.stages[s]
-            if fused_grad_accumulation:
-                self.fused_layers[s] = fuse_grad_accumulation(module)
-            # FSDP2 shards the stage now: its optimizer is built over the sharded parameters
-            fsdp = (
-                None
-                if self.sharding == "none"
-                else fsdp_module().shard_stage(module, self.mesh, timeout, s)
-            )
-            named = list(module.named_parameters())
-            stage_opt: StageOptimizer | TorchOptimizer
-            if callable(optimizer):
-                built = optimizer(named)
-                if not isinstance(built, torch.optim.Optimizer):
-                    raise TypeError(
-                        f"the optimizer callable returned {type(built).__name__} for stage {s}: "
-                        "it must return a torch.optim.Optimizer over the parameters it was given"
-                    )
-                stage_opt = TorchOptimizer(built)
-                lr_fn = lr_schedule
-            else:
-                if optimizer not in OPTIMIZERS:
-                    raise ValueError(
-                        f"optimizer={optimizer!r} is unknown: use one of {OPTIMIZERS} or a callable"
-                    )
-                options = dict(optimizer_options or {})
-                first_lr = lr(0) if callable(lr) else lr
-                ocfg = OptimConfig(
-                    name=optimizer, lr=first_lr, clip_norm=clip, warmup_frac=0.0, **options
-                )
-                stage_opt = build_optimizer(
-                    ocfg, named, adamw_names=adamw_matrices(module), require_muon=False
-                )
-                lr_fn = scaled_lr(lr, lr_schedule)
-                if fsdp is not None:
-                    stage_opt = fsdp_module().shard_optimizer(fsdp, stage_opt)
-            correction_s = make_correction(correction, ef_lambda, delay_lr_steps or 1)
-            self.workers.append(
-                StageWorker(
-                    module,
-                    self.schedule,
-                    self.ledger.stages[s],
-                    stage_opt,  # type: ignore[arg-type]
-                    correction_s,
-                    self._batch,
-                    lr_fn,
-                    clip_norm=clip,
-                    autocast_dtype=DTYPES[dtype],
-                    recompute=recompute,
-                    loss_fn=loss_fn if s == self.num_stages - 1 else None,
-                    sharded=fsdp,
-                )
-            )
-        for worker in self.workers:
-            worker.ties = list(self.ties)
+        on_meta_device = {s for s, module in enumerate(self.stages) if on_meta(module)}
+        _check_init_given(config.init, bool(on_meta_device))
+        self._resolve(config)
+        self._first_schedule()
+        self._join()
+        if on_meta_device & set(self.local):
+            _materialize(self.stages, self.local, config.init, self.target)
+        self.workers = [self._worker(s) for s in self.local]
         self.by_stage = {w.stage: w for w in self.workers}
-        routed = [getattr(w.optimizer, "routing", None) for w in self.workers]
-        if optimizer == "muon" and self.rank is None and not any(r and r.muon for r in routed):
-            raise ValueError(
-                "optimizer='muon' found no 2-D hidden matrix in any stage (embeddings and "
-                "output heads go to AdamW): Muon would update nothing; use optimizer='adamw'"
-            )
+        self._check_matrices_found()
         self.step_count = 0  # optimizer steps completed by every stage
         self.fed = 0  # batches fed
         self.batches: dict[int, tuple[Tree, Tree]] = {}  # micro-batch -> (inputs, targets)
         self.done: dict[int, int] = {}  # step -> stages that have taken it
         self._finished: dict[int, list[float]] = {}  # step -> gradient norm per stage
         self._reported = 0
-        # called with each step number a local stage completes (nobubble train's runtime)
-        self.on_step: Callable[[int], None] | None = None
-        self.runner_options: dict[str, Any] = {}  # the "dist" runner's: record, clock, strict
         self.emulator = self._runner(0)
 
+    def _resolve(self, config: PipelineConfig) -> None:
+        """The counts and names the parts below read, from the configuration and the stages."""
+        spec = config.schedule
+        self.total_steps = config.steps
+        self.runtime = config.runtime.runtime
+        self.schedule_name = spec.schedule
+        self.num_stages = len(self.stages)  # v·P: the schedule's stages
+        self.virtual_stages = spec.stages_per_rank
+        self.num_ranks = num_ranks_of(spec.schedule, self.num_stages, spec.stages_per_rank)
+        self.microbatches = spec.num_microbatches
+        self.timeout = float(config.runtime.dist_timeout)
+        self.sync_warmup = config.correction.sync_warmup  # 0 but under sync-warmup
+        self.data_parallel = config.runtime.data_parallel
+        self.bucket_mb = float(config.runtime.bucket_mb)
+        self.global_clip = config.global_clip
+        self.ties = _check_ties(find_ties(self.stages), spec.info.synchronous, spec.schedule)
+        # the stages meet before each step: for the global norm, or to add tied gradients
+        self.meets = self.global_clip or bool(self.ties)
 
-__all__ = ["MicrobatchLoss", "Pipeline", "StepResult"]
+    def _first_schedule(self) -> None:
+        """The first horizon; generating it checks (P, M) with the generator's errors."""
+        self.drains: list[int] = []  # steps after which drain() was called
+        try:
+            self.schedule, self.ledger = self._generate(FIRST_HORIZON)
+        except ScheduleError as err:
+            raise ValueError(
+                f"schedule={self.schedule_name!r} on {self.num_ranks} ranks with microbatches="
+                f"{self.microbatches}: {err}"
+            ) from None
+        self.transport = InProcessTransport(self.num_stages)
+
+    def _join(self) -> None:
+        """This process's place: every stage (emulate), or its rank's on the (dp, pp) mesh."""
+        runtime, where = self.config.runtime, self.schedule.placement
+        if runtime.runtime == "dist" and self.ties and where.stages_per_rank > 1:
+            a, name_a, b, name_b = self.ties[0]
+            raise ValueError(
+                f"{name_b} of stage {b} is tied to {name_a} of stage {a}: runtime='dist' adds "
+                f"tied gradients between ranks of one stage each, not under "
+                f"{self.schedule_name}'s {where.kind} placement; split with untie=True "
+                "(--untie-embeddings), or use runtime='emulate'"
+            )
+        # "none" or "fsdp" (``Pipeline.shard`` is the method that cuts a batch)
+        self.sharding = runtime.shard
+        if runtime.shard == "fsdp":
+            fsdp_module().check_ties(self.ties)
+        self.target = target_device(self.config.init.device, runtime.runtime)
+        self.mesh = (
+            None
+            if runtime.runtime == "emulate"
+            else dist_runner().join(
+                self.num_stages,
+                self.stages,
+                where,
+                runtime.data_parallel,
+                runtime.backend,
+                device=self.target,
+            )
+        )
+        # this process's pipeline rank (its pp coordinate) and its replica (dp coordinate)
+        self.rank = None if self.mesh is None else self.mesh.pp_rank
+        self.dp_rank = 0 if self.mesh is None else self.mesh.dp_rank
+        # the stages run here: all of them, or the rank's (one, or v in pipeline order)
+        everything = list(range(self.num_stages))
+        self.local = everything if self.rank is None else list(where.stages_of(self.rank))
+        # per local stage, the layers whose backward adds into .grad (fused_grad_accumulation)
+        self.fused_layers: dict[int, list[str]] = {}
+
+    def _worker(self, s: int) -> StageWorker:
+        """Stage ``s``'s worker: its optimizer (over FSDP2's shards with shard="fsdp"), its
+        correction, and its place in the schedule."""
+        config, module = self.config, self.stages[s]
+        if config.compute.fused_grad_accumulation:
+            self.fused_layers[s] = fuse_grad_accumulation(module)
+        # FSDP2 shards the stage now: its optimizer is built over the sharded parameters
+        fsdp = (
+            None
+            if self.sharding == "none"
+            else fsdp_module().shard_stage(module, self.mesh, self.timeout, s)
+        )
+        stage_opt, lr_fn = _stage_optimizer(config, module, s, fsdp)
+        worker = StageWorker(
+            module,
+            self.schedule,
+            self.ledger.stages[s],
+            stage_opt,  # type: ignore[arg-type]
+            config.correction.build(),
+            self._batch,
+            lr_fn,
+            clip_norm=config.optimizer.clip_norm,
+            autocast_dtype=DTYPES[config.compute.dtype],
+            recompute=config.compute.paci_recompute,
+            loss_fn=self.loss_fn if s == self.num_stages - 1 else None,
+            sharded=fsdp,
+        )
+        worker.ties = list(self.ties)
+        return worker
+
+    def _check_matrices_found(self) -> None:
+        optimizer = self.config.optimizer.optimizer
+        if not isinstance(optimizer, str) or self.rank is not None:
+            return
+        routed = [getattr(w.optimizer, "routing", None) for w in self.workers]
+        matrix = optimizer_entry(optimizer).matrix is not None
+        if matrix and not any(r and r.muon for r in routed):
+            raise ValueError(
+                f"optimizer={optimizer!r} found no 2-D hidden matrix in any stage (embeddings and "
+                "output heads go to AdamW): Muon would update nothing; use optimizer='adamw'"
+            )
+
+
+def _check_init_given(init: InitSpec, any_on_meta: bool) -> None:
+    given = init.given
+    if given and not any_on_meta:
+        raise ValueError(
+            f"{given[0]}= gives values to stages built on the meta device, and no stage is: "
+            f"build the model under torch.device('meta') before nobubble.split, or drop "
+            f"{given[0]}="
+        )
+
+
+def _materialize(
+    stages: list[Any], local: list[int], init: InitSpec, target: torch.device | None
+) -> None:
+    """Give the local stages on the meta device their tensors (``nobubble.materialize``)."""
+    if not init.given:
+        raise ValueError(
+            f"stage {local[0]} is on the meta device: give seed= (the seed the model "
+            "would be built with, after torch.manual_seed), init= (your init of the whole "
+            "model) or weights= (a safetensors file or folder)"
+        )
+    where_to = target if target is not None else torch.device("cpu")
+    weights = Path(os.fspath(init.weights)) if init.weights is not None else None
+    materialize(stages, local, seed=init.seed, init=init.init, weights=weights, device=where_to)
+
+
+def _check_ties(ties: list[Any], synchronous: bool, schedule: str) -> list[Any]:
+    if ties and not synchronous:
+        a, name_a, b, name_b = ties[0]
+        raise ValueError(
+            f"{name_b} of stage {b} is tied to {name_a} of stage {a}; {schedule} would "
+            "update the two copies at different times: split with untie=True "
+            "(--untie-embeddings) to train them as two parameters, or use a synchronous "
+            "schedule (gpipe, 1f1b), which adds their gradients before each step"
+        )
+    return ties
+
+
+def _stage_optimizer(
+    config: PipelineConfig, module: Any, s: int, fsdp: Any
+) -> tuple[StageOptimizer | TorchOptimizer, Any]:
+    """Stage ``s``'s optimizer and its learning rate by step (None: a user's optimizer keeps
+    its own, scaled by ``lr_schedule``)."""
+    spec = config.optimizer
+    named = list(module.named_parameters())
+    if callable(spec.optimizer):
+        built = spec.optimizer(named)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer callable returned {type(built).__name__} for stage {s}: "
+                "it must return a torch.optim.Optimizer over the parameters it was given"
+            )
+        return TorchOptimizer(built), spec.lr_schedule
+    stage_opt = build_optimizer(
+        spec.optim_config(), named, adamw_names=adamw_matrices(module), require_muon=False
+    )
+    if fsdp is not None:
+        stage_opt = fsdp_module().shard_optimizer(fsdp, stage_opt)
+    return stage_opt, scaled_lr(spec.lr, spec.lr_schedule)
+
+
+__all__ = ["MicrobatchLoss", "Observer", "Pipeline", "PipelineConfig", "StepResult"]

@@ -15,10 +15,6 @@ from torch import nn
 
 from nobubble.core.ir import STEP, Action, Schedule
 from nobubble.core.ledger import Ledger, build_ledger
-from nobubble.core.schedules import (
-    SCHEDULES,
-    build_schedule,
-)
 from nobubble.core.validate import validate
 from nobubble.engine import InProcessTransport, StageWorker
 from nobubble.engine.tree import Tree
@@ -55,8 +51,23 @@ class StepResult:
         return sum(x.value for x in self.losses) / len(self.losses) if self.losses else None
 
 
+@dataclass(frozen=True)
+class Observer:
+    """What a caller watches while the pipeline runs (``nobubble train`` does).
+
+    record: every action's span (``Interpreter.spans``). clock: the spans' clock under
+    runtime="dist" (None: the host's). strict_p2p: run point-to-point under NCCL's completion
+    rules on any backend. on_step: called with each step number a local stage completes.
+    """
+
+    record: bool = False
+    clock: Any = None
+    strict_p2p: bool = False
+    on_step: Callable[[int], None] | None = None
+
+
 def dist_runner() -> Any:
-    """The multi-process runner (the runtime layer), imported only when asked for."""
+    """The multi-process runner (runtime/distributed), imported only when asked for."""
     from nobubble.runtime.distributed import runner
 
     return runner
@@ -111,6 +122,8 @@ class StepLoop:
     points, and the step results."""
 
     # built by Pipeline.__init__
+    config: Any  # the PipelineConfig
+    observe: Observer
     stages: list[nn.Module]
     total_steps: int | None
     schedule_name: str
@@ -137,24 +150,22 @@ class StepLoop:
     done: dict[int, int]
     _finished: dict[int, list[float]]
     _reported: int
-    on_step: Callable[[int], None] | None
+    ties: list[Any]
+    timeout: float
+    bucket_mb: float
+    sharding: str
     emulator: Any  # the Emulator, or this rank's RankRunner
 
-    # ----- schedules ---------------------------------------------------------------------------
     # ----- schedules ---------------------------------------------------------------------------
     def _generate(self, steps: int) -> tuple[Schedule, Ledger]:
         if self.total_steps is not None:
             steps = min(steps, self.total_steps)
-        schedule = build_schedule(
-            self.schedule_name,
+        schedule = self.config.schedule.generate(
             self.num_ranks,
-            self.microbatches,
             steps,
-            self.microbatches if SCHEDULES[self.schedule_name].uses_accum else None,
             sync_warmup=min(self.sync_warmup, steps),
             max_actions=None,
             drain_at=self.drains,
-            virtual_stages=self.virtual_stages,
         )
         validate(schedule)
         return schedule, build_ledger(schedule)
@@ -162,8 +173,35 @@ class StepLoop:
     def _runner(self, start_step: int) -> Any:
         """What runs the actions: the emulator (every rank here), or this rank's runner."""
         if self.rank is not None:
-            return dist_runner().RankRunner(self, self.workers, start_step)
+            runner = dist_runner()
+            return runner.RankRunner(
+                self._rank_context(runner), self.schedule, self.workers, start_step
+            )
         return self._emulator(start_step)
+
+    def _rank_context(self, runner: Any) -> Any:
+        """What this rank's runner reads of the pipeline (runner.RankContext)."""
+        assert self.rank is not None
+        return runner.RankContext(
+            rank=self.rank,
+            num_stages=self.num_stages,
+            mesh=self.mesh,
+            meets=self.meets,
+            timeout=self.timeout,
+            ties=list(self.ties),
+            all_reduces=self.data_parallel > 1 and self.sharding == "none",
+            data_parallel=self.data_parallel,
+            bucket_mb=self.bucket_mb,
+            microbatches=self.microbatches,
+            record=self.observe.record,
+            clock=self.observe.clock,
+            strict_p2p=self.observe.strict_p2p,
+            fed=lambda: self.fed,
+            first_inputs=lambda: self.batches[min(self.batches)][0],
+            drains=lambda: self.drains,
+            available=self._available,
+            on_step=self._on_step,
+        )
 
     def _available(self, action: Action) -> bool:
         """An action runs once its batch was fed."""
@@ -172,7 +210,9 @@ class StepLoop:
         return batch < self.fed
 
     def _emulator(self, start_step: int) -> Emulator:
-        interpreters = rank_interpreters(self.schedule, self.workers, self.transport, self.meets)
+        interpreters = rank_interpreters(
+            self.schedule, self.workers, self.transport, self.meets, record=self.observe.record
+        )
         emulator = Emulator(self.schedule, interpreters, self.transport, start_step=start_step)
         emulator.available = self._available
         emulator.on_step = self._on_step
@@ -242,8 +282,8 @@ class StepLoop:
         return self._result()
 
     def _on_step(self, action: Action) -> None:
-        if self.on_step is not None:
-            self.on_step(action.number)
+        if self.observe.on_step is not None:
+            self.observe.on_step(action.number)
         done = self.done
         done[action.number] = done.get(action.number, 0) + 1
         if done[action.number] == len(self.workers):
@@ -274,6 +314,14 @@ class StepLoop:
         in_flight = self.fed * self.microbatches - finished_mb
         return StepResult(losses, list(steps), steps, in_flight)
 
+    def spans(self) -> list[tuple[Action, Any, Any]]:
+        """Every action this process ran with its start and end, rank by rank in order
+        (recorded under ``Observer(record=True)``; empty otherwise)."""
+        interpreters = getattr(self.emulator, "interpreters", None)
+        if interpreters is None:  # this rank's runner: one interpreter, once it has started
+            interpreters = [i for i in [self.emulator.interpreter] if i is not None]
+        return [span for interpreter in interpreters for span in interpreter.spans]
+
     def close(self) -> None:
         """With runtime="dist": leave the process group (every rank, after the last step)."""
         if self.rank is not None:
@@ -301,3 +349,16 @@ class StepLoop:
         """The version ledger: which version every forward, backward and step used (of the
         schedule as far as generated; the micro-batches fed so far are final)."""
         return self.ledger
+
+
+__all__ = [
+    "FIRST_HORIZON",
+    "MARGIN",
+    "MicrobatchLoss",
+    "Observer",
+    "StepLoop",
+    "StepResult",
+    "dist_runner",
+    "shard_tree",
+    "split_tree",
+]

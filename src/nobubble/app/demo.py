@@ -27,7 +27,7 @@ from typing import Any
 from nobubble.app.segments import check_segments, read_records, run_alternating, segment_figures
 from nobubble.app.time_to_target import crossing, final_val, val_curve
 from nobubble.core.ir import Action
-from nobubble.core.schedules import DIST_TRAINABLE, SCHEDULES, build_schedule
+from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 from nobubble.core.viz import save_gantt
 
@@ -43,7 +43,7 @@ def best_synchronous(stages: int = STAGES, microbatches: int = MICROBATCHES) -> 
     """The synchronous schedule, other than gpipe and 1f1b, with the smallest simulated bubble
     that the multi-process runtime trains at this (P, M), under unit costs (F = I = W = 1)."""
     bubbles = {}
-    for name in DIST_TRAINABLE:
+    for name in SCHEDULE_NAMES:
         if not SCHEDULES[name].synchronous or name in ("gpipe", BASELINE):
             continue
         try:

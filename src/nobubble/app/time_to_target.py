@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from nobubble.app.segments import clock
 from nobubble.core.schedules import SCHEDULES
-from nobubble.optim.correction import CORRECTIONS
+from nobubble.optim.correction_registry import CORRECTIONS
 
 if TYPE_CHECKING:
     from nobubble.core.sim import CostModel
@@ -95,17 +95,17 @@ def projected_times(run_dir: Path, transfer_s: float = 0.0) -> dict[int, float]:
     """Step -> seconds at which a P-stage pipeline on P devices would finish it: the run's own
     schedule (its drain points included) simulated with the per-stage median durations its
     emulator measured (``stage_costs``), each hop between ranks ``transfer_s`` (0: free)."""
-    from nobubble.app.train.assemble import make_plan
+    from nobubble.app.train.assemble import make_schedule
     from nobubble.app.train.config import TrainConfig
     from nobubble.core.ir import STEP
     from nobubble.core.sim import simulate
 
     saved = json.loads((run_dir / "config.json").read_text())
     cfg = TrainConfig.from_mapping(saved["config"])
-    plan = make_plan(cfg, saved["resolved"]["vocab_size"])
-    timeline = simulate(plan.schedule, stage_costs(run_dir, transfer_s), check=False).timeline
+    schedule = make_schedule(cfg)
+    timeline = simulate(schedule, stage_costs(run_dir, transfer_s), check=False).timeline
     ends: dict[int, float] = {}
-    for rank in range(plan.schedule.num_ranks):
+    for rank in range(schedule.num_ranks):
         for action, _, end in timeline.spans(rank):
             if action.kind == STEP:
                 ends[action.number] = max(ends.get(action.number, 0.0), end)

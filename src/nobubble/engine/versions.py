@@ -45,7 +45,7 @@ def alias(p: torch.Tensor) -> torch.Tensor:
 Key = tuple[int, int]  # (version, tau): tau = 0 the version itself, tau > 0 its prediction
 
 
-def read_key(ledger: StageLedger, m: int, predict: bool) -> Key:
+def _read_key(ledger: StageLedger, m: int, predict: bool) -> Key:
     """The weights micro-batch m's forward reads: its version, predicted ``delay`` versions
     ahead when predicting (version 0, made by no update, is never predicted)."""
     version = ledger.fwd_version[m]
@@ -77,14 +77,14 @@ class WeightVersions:
     def _reads(self, schedule: Schedule, ledger: StageLedger) -> Counter[Key]:
         """Reads per key: every forward; every stashed backward, which reads what its forward
         read (a live backward reads the master, or the prediction its graph holds)."""
-        keys = [read_key(ledger, m, self.predict) for m in range(len(ledger.fwd_version))]
+        keys = [_read_key(ledger, m, self.predict) for m in range(len(ledger.fwd_version))]
         reads: Counter[Key] = Counter(keys)
         if schedule.backward_rule == "stashed":
             reads.update(keys)
         return reads
 
     def key(self, m: int) -> Key:
-        return read_key(self.ledger, m, self.predict)
+        return _read_key(self.ledger, m, self.predict)
 
     def extend(self, schedule: Schedule, ledger: StageLedger) -> None:
         """Go on under a longer schedule whose actions so far are the ones already run.
@@ -123,7 +123,7 @@ class WeightVersions:
     def forget_before(self, microbatch: int, ledger: StageLedger, stashed: bool) -> None:
         """Drop the reads of micro-batches < ``microbatch`` (a resumed run starts there)."""
         for m in range(microbatch):
-            key = read_key(ledger, m, self.predict)
+            key = _read_key(ledger, m, self.predict)
             for _ in range(2 if stashed else 1):
                 self.reads_left[key] -= 1
                 self.reads_done[key] += 1
@@ -204,3 +204,10 @@ class WeightVersions:
     def _restored(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         grads = dict((n, p.requires_grad) for n, p in self.named)
         return {n: t.clone().requires_grad_(grads.get(n, True)) for n, t in weights.items()}
+
+
+__all__ = [
+    "Key",
+    "WeightVersions",
+    "alias",
+]

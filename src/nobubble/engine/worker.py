@@ -134,7 +134,7 @@ class StageWorker(WorkerBackward):
             )
         state = to_device(state, self.device)  # EF buffers and stashed versions included
         if self.sharded is not None:  # this replica's shards of the whole tensors
-            state = self.sharded.scattered(state, self.optimizer)
+            state = self.sharded.scattered(state, self.optimizer, self.correction.parameter_buffers)
         with torch.no_grad():
             for name, p in self.named:
                 p.copy_(state["module"][name])
@@ -147,3 +147,10 @@ class StageWorker(WorkerBackward):
         self.peak_activation_bytes = state["peak_activation_bytes"]
 
     # ----- step ----------------------------------------------------------------------------
+
+
+__all__ = [
+    "Batch",
+    "LossFn",
+    "StageWorker",
+]

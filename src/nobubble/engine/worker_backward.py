@@ -169,3 +169,8 @@ class WorkerBackward(WorkerForward):
     def _backward_done(self, m: int) -> None:
         if self.schedule.backward_rule == "stashed":  # it read what its forward read
             self.versions.consumed(self.versions.key(m))
+
+
+__all__ = [
+    "WorkerBackward",
+]

@@ -45,7 +45,7 @@ class WorkerForward(WorkerStep):
 
     def _weights(self, m: int, key: tuple[int, int]) -> dict[str, torch.Tensor]:
         """The leaves micro-batch m's graph is built on, ``key`` = (version, tau) being the
-        weights it reads (tau > 0: a prediction, ``exec.versions``): the master parameters
+        weights it reads (tau > 0: a prediction, ``engine.versions``): the master parameters
         themselves when the forward reads the current version and the stage takes no step
         before m's gradient is done (every micro-batch of a synchronous schedule), else the
         version's aliases or the prediction's own tensors (on a sharded stage always its
@@ -186,3 +186,8 @@ class WorkerForward(WorkerStep):
         held = sum(s.activation_bytes for s in self.saved.values())
         held += sum(p.activation_bytes for p in self.pending.values())
         self.peak_activation_bytes = max(self.peak_activation_bytes, held)
+
+
+__all__ = [
+    "WorkerForward",
+]

@@ -191,3 +191,8 @@ class WorkerStep:
     @property
     def batch_complete(self) -> bool:
         return self.backwards_in_batch == self.schedule.num_microbatches
+
+
+__all__ = [
+    "WorkerStep",
+]

@@ -10,18 +10,29 @@ from nobubble.optim.clip import (
     scale_grads_,
     sum_over_stages,
 )
-from nobubble.optim.config import DEFAULT_BETAS, FUSED_ADAMW_OPTIMIZERS, OPTIMIZERS, OptimConfig
+from nobubble.optim.config import OPTIMIZERS, OptimConfig
 from nobubble.optim.correction import (
-    CORRECTIONS,
     DelayAwareLR,
     DelayCorrection,
     ErrorFeedback,
     NoCorrection,
     WeightPrediction,
+)
+from nobubble.optim.correction_registry import (
+    CORRECTION_ENTRIES,
+    CORRECTIONS,
+    CorrectionEntry,
+    CorrectionSpec,
     make_correction,
 )
 from nobubble.optim.lion import Lion, lion_update
 from nobubble.optim.lr import lr_at, warmup_steps
+from nobubble.optim.registry import (
+    OPTIMIZER_ENTRIES,
+    OptimizerEntry,
+    optimizer_entry,
+    register_optimizer,
+)
 from nobubble.optim.routing import (
     GroupCount,
     Routing,
@@ -32,9 +43,11 @@ from nobubble.optim.routing import (
 
 __all__ = [
     "CORRECTIONS",
-    "DEFAULT_BETAS",
-    "FUSED_ADAMW_OPTIMIZERS",
+    "CORRECTION_ENTRIES",
     "OPTIMIZERS",
+    "OPTIMIZER_ENTRIES",
+    "CorrectionEntry",
+    "CorrectionSpec",
     "DelayAwareLR",
     "DelayCorrection",
     "ErrorFeedback",
@@ -42,6 +55,7 @@ __all__ = [
     "Lion",
     "NoCorrection",
     "OptimConfig",
+    "OptimizerEntry",
     "Routing",
     "StageOptimizer",
     "WeightPrediction",
@@ -53,6 +67,8 @@ __all__ = [
     "lr_at",
     "make_correction",
     "muon_group",
+    "optimizer_entry",
+    "register_optimizer",
     "route_parameters",
     "scale_grads_",
     "sum_over_stages",

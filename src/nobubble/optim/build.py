@@ -16,8 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from nobubble.optim.config import OptimConfig
-from nobubble.optim.library import build_library_optimizer, build_normuon
-from nobubble.optim.lion import Lion
+from nobubble.optim.registry import optimizer_entry
 from nobubble.optim.routing import Routing, route_parameters, wants_weight_decay
 
 logger = logging.getLogger(__name__)
@@ -102,24 +101,6 @@ def _param_groups(
     return [g for g in groups if g["params"]]
 
 
-def _adam_side(cfg: OptimConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """The single optimizer of adamw / nadam / lion / soap / adan / mars, or the AdamW side of
-    muon and normuon."""
-    if cfg.name in ("soap", "adan", "mars"):
-        betas = None if cfg.name == "adan" else cfg.resolved_betas
-        return build_library_optimizer(cfg.name, groups, cfg.lr, betas, cfg.eps)
-    betas = cfg.resolved_betas
-    if cfg.name == "nadam":
-        return torch.optim.NAdam(
-            groups, lr=cfg.lr, betas=betas, eps=cfg.eps, decoupled_weight_decay=True
-        )
-    if cfg.name == "lion":
-        return Lion(groups, lr=cfg.lr, betas=betas)
-    if cfg.fused_adamw:  # one pass over every tensor, no per-tensor scratch (config.py)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
-
-
 def build_optimizer(
     cfg: OptimConfig,
     named_params: Iterable[tuple[str, nn.Parameter]],
@@ -137,24 +118,14 @@ def build_optimizer(
     routing = route_parameters(named, cfg.name, adamw_names, require_muon)
     logger.info("optimizer routing: %s", routing.describe())
     by_name: dict[str, Tensor] = dict(named)
+    entry = optimizer_entry(cfg.name)
     parts: dict[str, torch.optim.Optimizer] = {}
-    if routing.muon and cfg.name == "normuon":
-        parts["muon"] = build_normuon(
-            _param_groups(routing.muon, by_name, cfg.weight_decay),
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            ns_steps=cfg.ns_steps,
-        )
-    elif routing.muon:
-        parts["muon"] = torch.optim.Muon(
-            _param_groups(routing.muon, by_name, cfg.weight_decay),
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            ns_steps=cfg.ns_steps,
-            adjust_lr_fn="match_rms_adamw",  # update RMS ~ AdamW's, so one lr serves both sides
-        )
+    if routing.muon:
+        assert entry.matrix is not None, "routing gives matrices to matrix optimizers only"
+        parts["muon"] = entry.matrix(cfg, _param_groups(routing.muon, by_name, cfg.weight_decay))
     if routing.adamw:
-        parts["adamw"] = _adam_side(cfg, _param_groups(routing.adamw, by_name, cfg.weight_decay))
+        parts["adamw"] = entry.build(cfg, _param_groups(routing.adamw, by_name, cfg.weight_decay))
     return StageOptimizer(cfg, named, routing, parts)
+
+
+__all__ = ["StageOptimizer", "build_optimizer"]

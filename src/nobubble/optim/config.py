@@ -9,30 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nobubble.optim.library import LIBRARY_OPTIMIZERS, check_installed
+from nobubble.optim import library
+from nobubble.optim.registry import OPTIMIZER_ENTRIES, optimizer_entry
 
-# The first four are torch's or written here; the library ones need the ``optim`` extra.
-OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "nadam", "lion", *LIBRARY_OPTIMIZERS)
-# the named optimizers a stage sharded over its dp group runs (shard="fsdp"): the elementwise
-# ones run on each shard as on the whole tensor, Muon's Newton-Schulz on the gathered matrix
-SHARDED_OPTIMIZERS: tuple[str, ...] = ("adamw", "nadam", "lion", "muon")
-
-# the optimizers that run torch's AdamW (alone, or on Muon's side), which ``fused_adamw`` fuses
-FUSED_ADAMW_OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "normuon")
-
-# Betas used when `OptimConfig.betas` is None. Lion's own paper (arXiv 2302.06675) recommends
-# (0.9, 0.99); the Adam family uses the LM-pretraining default (0.9, 0.95).
-DEFAULT_BETAS: dict[str, tuple[float, float]] = {
-    "adamw": (0.9, 0.95),
-    "muon": (0.9, 0.95),  # for the AdamW side of Muon (embeddings, head, norms)
-    "nadam": (0.9, 0.95),
-    "lion": (0.9, 0.99),
-    # SOAP's and MARS's own papers' pairs (arXiv 2409.11321, 2411.10438), the library's defaults
-    "soap": (0.95, 0.95),
-    "mars": (0.95, 0.99),
-    "normuon": (0.9, 0.95),  # for the AdamW side of NorMuon, as for muon
-    # adan: three betas, the library's (0.98, 0.92, 0.99); `betas` is refused for it
-}
+# torch's and the ones written here first (registry.py), then pytorch-optimizer's (library.py)
+OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_ENTRIES)
 
 
 def _is_real(value: object) -> bool:
@@ -64,7 +45,7 @@ class OptimConfig:
             the same value with its update RMS matched to AdamW (`adjust_lr_fn="match_rms_adamw"`,
             i.e. the Muon lr is scaled by 0.2 * sqrt(max(rows, cols))), so one lr serves both.
         weight_decay: decoupled weight decay, applied to 2-D tensors only (norm weights get 0).
-        betas: (beta1, beta2) of AdamW / NAdam / Lion; None picks DEFAULT_BETAS[name], which is
+        betas: (beta1, beta2) of AdamW / NAdam / Lion; None picks the registry entry's pair,
             (0.9, 0.95) for the Adam family and (0.9, 0.99) for Lion.
         eps: denominator epsilon of AdamW / NAdam (Muon keeps torch's own 1e-7 for Newton-Schulz).
         momentum, nesterov, ns_steps: Muon's momentum, Nesterov flag and Newton-Schulz steps.
@@ -92,16 +73,15 @@ class OptimConfig:
     fused_adamw: bool = False
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(f"optimizer name={self.name!r} is unknown: use one of {OPTIMIZERS}")
-        check_installed(self.name)
+        entry = optimizer_entry(self.name)
+        library.check_installed(self.name)
         _check_real("lr", self.lr, 0.0, math.inf, open_low=True)
         _check_real("weight_decay", self.weight_decay, 0.0, math.inf, open_low=False)
         if self.betas is not None:
-            if self.name == "adan":
+            if entry.betas is None:
                 raise ValueError(
-                    f"betas={self.betas!r} cannot be given for adan: it has three betas and "
-                    "keeps the library's (0.98, 0.92, 0.99); leave betas unset"
+                    f"betas={self.betas!r} cannot be given for {self.name}: {entry.own_betas}; "
+                    "leave betas unset"
                 )
             self._check_betas()
         _check_real("eps", self.eps, 0.0, 1.0, open_low=True)
@@ -124,10 +104,11 @@ class OptimConfig:
             _check_real("clip_norm", self.clip_norm, 0.0, math.inf, open_low=True)
         if not isinstance(self.fused_adamw, bool):
             raise TypeError(f"fused_adamw must be a bool, got {self.fused_adamw!r}")
-        if self.fused_adamw and self.name not in FUSED_ADAMW_OPTIMIZERS:
+        if self.fused_adamw and not entry.fused_adamw:
+            fused = tuple(n for n, e in OPTIMIZER_ENTRIES.items() if e.fused_adamw)
             raise ValueError(
                 f"fused_adamw=True does not apply to optimizer {self.name!r}, which runs no "
-                f"AdamW: use it with one of {FUSED_ADAMW_OPTIMIZERS} or leave it off"
+                f"AdamW: use it with one of {fused} or leave it off"
             )
 
     def _check_betas(self) -> None:
@@ -143,4 +124,8 @@ class OptimConfig:
     @property
     def resolved_betas(self) -> tuple[float, float]:
         """The betas the optimizer actually uses (explicit, or the default for `name`)."""
-        return self.betas if self.betas is not None else DEFAULT_BETAS[self.name]
+        default = OPTIMIZER_ENTRIES[self.name].betas
+        return self.betas if self.betas is not None else default  # type: ignore[return-value]
+
+
+__all__ = ["OPTIMIZERS", "OptimConfig"]

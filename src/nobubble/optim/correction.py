@@ -11,7 +11,7 @@ both). With tau = 0 at every step each correction is the plain update, bit for b
 
 - ``ef``: error feedback (arXiv 2606.30634), generalised from its one-step delay to tau.
 - ``predict``: weight prediction (SpecTrain; PipeMare's discrepancy correction): a delayed
-  forward reads its version extrapolated tau updates ahead (``exec.versions``).
+  forward reads its version extrapolated tau updates ahead (``engine.versions``).
 - ``delay-lr``: a per-stage learning-rate warm-up by delay (PipeMare's rescheduling).
 - ``sync-warmup``: the first steps flushed; a change of schedule, not of the step (here: plain).
 """
@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-CORRECTIONS = ("none", "ef", "predict", "delay-lr", "sync-warmup")
-
 
 class DelayCorrection(ABC):
     """Runs an optimizer step and post-processes the displacement it applied."""
 
-    predicts = False  # whether delayed forwards read predicted weights (exec.versions)
+    predicts = False  # whether delayed forwards read predicted weights (engine.versions)
     scales_lr = False  # whether lr_factor can differ from 1
+    # state_dict keys holding one tensor per parameter (a sharded stage cuts them as its weights)
+    parameter_buffers: tuple[str, ...] = ()
 
     @abstractmethod
     def apply(self, params: list[Tensor], step_fn: Callable[[], None], delay: float = 1.0) -> None:
@@ -115,6 +115,8 @@ class ErrorFeedback(DelayCorrection):
     corrected displacement), plus one transient copy of the parameters during `apply`.
     """
 
+    parameter_buffers = ("prev",)
+
     def __init__(self, lam: float = 1.0) -> None:
         if isinstance(lam, bool) or not isinstance(lam, (int, float)):
             raise TypeError(f"ErrorFeedback lam must be a number, got {lam!r}")
@@ -169,15 +171,10 @@ class ErrorFeedback(DelayCorrection):
         self._prev = None if prev is None else [t.detach().clone() for t in prev]
 
 
-def make_correction(name: str, ef_lambda: float = 1.0, delay_lr_steps: int = 1) -> DelayCorrection:
-    """The correction object of one stage for ``--correction name`` (sync-warmup changes the
-    schedule, not the step: its steps are plain)."""
-    if name not in CORRECTIONS:
-        raise ValueError(f"correction={name!r} is unknown: use one of {CORRECTIONS}")
-    if name == "ef":
-        return ErrorFeedback(ef_lambda)
-    if name == "predict":
-        return WeightPrediction()
-    if name == "delay-lr":
-        return DelayAwareLR(delay_lr_steps)
-    return NoCorrection()
+__all__ = [
+    "DelayAwareLR",
+    "DelayCorrection",
+    "ErrorFeedback",
+    "NoCorrection",
+    "WeightPrediction",
+]

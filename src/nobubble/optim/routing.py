@@ -11,11 +11,13 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from nobubble.optim.config import OPTIMIZERS
+from nobubble.optim.registry import OPTIMIZER_ENTRIES
 
-# Optimizers that step the 2-D hidden matrices with an orthogonalized update (the ``muon``
-# group of a Routing) and everything else with AdamW.
-MATRIX_OPTIMIZERS: tuple[str, ...] = ("muon", "normuon")
+
+def matrix_optimizers() -> tuple[str, ...]:
+    """Optimizers that step the 2-D hidden matrices with an orthogonalized update (the
+    ``muon`` group of a Routing) and everything else with AdamW (registry.py's ``matrix``)."""
+    return tuple(n for n, e in OPTIMIZER_ENTRIES.items() if e.matrix is not None)
 
 
 class GroupCount(NamedTuple):
@@ -28,7 +30,7 @@ class Routing:
     """Names of the tensors per update rule, in the order they were given.
 
     `muon` holds the tensors stepped by Muon or NorMuon (empty unless the optimizer is one of
-    MATRIX_OPTIMIZERS); `adamw` holds every other tensor, stepped by AdamW, or by the single
+    matrix_optimizers()); `adamw` holds every other tensor, stepped by AdamW, or by the single
     optimizer (NAdam, Lion, SOAP, ...) otherwise.
     """
 
@@ -47,7 +49,7 @@ class Routing:
     def describe(self) -> str:
         """One line, e.g. `muon: 8 tensors (1,048,576 elements) | adamw: 5 tensors (...)`."""
         counts = self.counts()
-        if self.optimizer not in MATRIX_OPTIMIZERS:  # one optimizer holds everything
+        if self.optimizer not in matrix_optimizers():  # one optimizer holds everything
             c = counts["adamw"]
             return f"{self.optimizer}: {c.tensors} tensors ({c.elements:,} elements)"
         return " | ".join(
@@ -82,12 +84,15 @@ def route_parameters(
 ) -> Routing:
     """Split `named_params` between Muon and the AdamW-side optimizer (see `muon_group`).
 
-    For optimizers other than "muon" and "normuon" (MATRIX_OPTIMIZERS) every tensor goes to the
-    one optimizer (`Routing.adamw`). Raises ValueError on an unknown optimizer, duplicate or no
-    names, and for those two when no 2-D hidden matrix is present.
+    For optimizers other than the matrix ones (muon, normuon, ...: ``matrix_optimizers``) every
+    tensor goes to the one optimizer (`Routing.adamw`). Raises ValueError on an unknown
+    optimizer, duplicate or no names, and for the matrix ones when no 2-D hidden matrix is
+    present.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is unknown: use one of {OPTIMIZERS}")
+    if optimizer not in OPTIMIZER_ENTRIES:
+        raise ValueError(
+            f"optimizer={optimizer!r} is unknown: use one of {tuple(OPTIMIZER_ENTRIES)}"
+        )
     named = list(named_params)
     if not named:
         raise ValueError("route_parameters got no parameters: pass module.named_parameters()")
@@ -96,7 +101,7 @@ def route_parameters(
         if name in numel:
             raise ValueError(f"parameter name {name!r} appears twice: names must be unique")
         numel[name] = p.numel()
-    if optimizer not in MATRIX_OPTIMIZERS:
+    if optimizer not in matrix_optimizers():
         return Routing(optimizer, (), tuple(numel), numel)
     groups = [(name, muon_group(name, p, adamw_names)) for name, p in named]
     muon = tuple(name for name, group in groups if group == "muon")

@@ -19,8 +19,8 @@ import torch
 from nobubble.core.ledger import build_ledger
 from nobubble.core.schedules import (
     build_schedule,
-    check_trainable,
     resolve_virtual_stages,
+    schedule_info,
 )
 from nobubble.engine import InProcessTransport, StageWorker
 from nobubble.model import build_model, lm_loss, model_config, partition_layers, split_model
@@ -45,7 +45,7 @@ class EmulatorBench:
 
     def __post_init__(self) -> None:
         for name in self.schedules:
-            check_trainable(name)  # an unknown name gets the list of known ones
+            schedule_info(name)  # an unknown name gets the list of known ones
 
 
 def _batches(cfg: EmulatorBench) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:

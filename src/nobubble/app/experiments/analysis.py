@@ -27,6 +27,7 @@ COLOURS = {
     "adan": "#DA8BC3",
     "mars": "#8C8C8C",
     "normuon": "#64B5CD",
+    "adamuon": "#CCB974",
     "1f1b": "#4C72B0",
     "paci": "#DD8452",
     "2bw": "#C44E52",

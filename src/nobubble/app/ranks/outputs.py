@@ -51,7 +51,7 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) 
         f"bubble {util['bubble_share']:.1%}"
     )
     save_gantt(run.run_dir / "timeline.png", [(title, lanes)], time_unit="seconds")
-    ledger = run.plan.ledger
+    ledger = run.pipe.ledger  # the schedule that ran
     (run.run_dir / "ledger.json").write_text(
         json.dumps(
             {
@@ -78,3 +78,10 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) 
         )
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return RunResult(run.run_dir, run.records, summary)
+
+
+__all__ = [
+    "by_stage",
+    "lane",
+    "write_outputs",
+]

@@ -34,14 +34,14 @@ class RankEnv:
         return RankEnv(rank, world, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
-def config_hash(cfg: TrainConfig) -> str:
+def _config_hash(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(cfg.fingerprint(), sort_keys=True).encode()).hexdigest()
 
 
 def check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGroup | None) -> None:
     """Every rank must run the same numbers: compare hashes, then name what differs."""
     hashes: list[Any] = [None] * world_size
-    dist.all_gather_object(hashes, config_hash(cfg), group=group)
+    dist.all_gather_object(hashes, _config_hash(cfg), group=group)
     differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
     if not differ:
         return
@@ -54,3 +54,9 @@ def check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGrou
         f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "
         "same flags"
     )
+
+
+__all__ = [
+    "RankEnv",
+    "check_same_config",
+]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nobubble.api.pipeline import StepResult
+from nobubble.api.pipeline import Observer, StepResult
 from nobubble.app.ranks.outputs import by_stage, lane, write_outputs
 from nobubble.app.ranks.rank_env import RankEnv, check_same_config
 from nobubble.app.train.assemble import load_data, make_model, make_pipeline, make_plan
@@ -35,7 +35,6 @@ from nobubble.app.train.trainer import (
     resolve_run_dir,
     validation_loss,
 )
-from nobubble.core.comm import check_communication
 from nobubble.core.host_memory import PeakSampler, peak_rss_bytes, rss_bytes
 from nobubble.core.ir import Action
 from nobubble.core.sim.metrics import measured_utilization
@@ -72,7 +71,7 @@ class RankRun:
         if self.rank == 0:
             self._barrier()
         self.plan = make_plan(cfg, self.data.vocab_size)
-        placement = self.plan.schedule.placement
+        placement = self.plan.placement
         self.local = placement.stages_of(self.pp)  # one stage, or v (interleaved, V)
         # the rank of the last stage holds the loss; replica 0's writes the metrics (pipeline
         # rank 0 in a V); replica 0's global ranks are its pipeline ranks
@@ -81,18 +80,18 @@ class RankRun:
         # this rank's stages only: the others stay on the meta device (docs/runtime.md)
         stages = make_model(self.plan, self.local, self.device).stages
         self.peak_after_model = peak_rss_bytes()
-        self.pipe = make_pipeline(self.plan, stages, runtime="dist")
+        # spans from CUDA events on a GPU (the host clock would time the kernel launches), else
+        # the wall clock, comparable across the processes of one machine
+        self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
+        # the runner checks what every rank will post under NCCL's rules before it runs it
+        observe = Observer(
+            record=True, clock=self.clock, strict_p2p=cfg.strict_p2p, on_step=self._on_step
+        )
+        self.pipe = make_pipeline(self.plan, stages, observe)
         assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
         # where this rank's resident set peaks (a diagnostic: nobubble bench memory --where)
         self.peak_sampler = (
             PeakSampler(self._doing).start() if os.environ.get("NOBUBBLE_PEAK_WHERE") else None
-        )
-        # What every rank will post is checked to complete under NCCL's rules before any step.
-        check_communication(
-            self.plan.schedule,
-            self.pipe.meets,
-            self.plan.drain_points,
-            data_parallel=cfg.data_parallel > 1 and cfg.shard == "none",
         )
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s, self.device) for s in self.local]
@@ -102,11 +101,6 @@ class RankRun:
                 assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
         self.workers = self.pipe.workers
         self.worker = self.workers[0]
-        # spans from CUDA events on a GPU (the host clock would time the kernel launches), else
-        # the wall clock, comparable across the processes of one machine
-        self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
-        self.pipe.runner_options = {"record": True, "clock": self.clock, "strict": cfg.strict_p2p}
-        self.pipe.on_step = self._on_step
         self.bar: Any = None
         self.losses: dict[int, float] = {}  # micro-batch -> loss (last rank)
         self.grad_norms: dict[int, list[float]] = {}  # step -> norm of each local stage
@@ -172,7 +166,7 @@ class RankRun:
 
     def _run_until(self, done: int, step: int) -> None:
         """Feed batches ``done`` .. ``step - 1`` and drain after step ``step``."""
-        m = self.plan.schedule.num_microbatches
+        m = self.cfg.num_microbatches
         b, d = self.cfg.micro_batch_size, self.cfg.data_parallel
         for j in range(done, step):
             # replica r's micro-batch i: the r-th slice of global micro-batch i (D·b sequences)
@@ -264,7 +258,7 @@ class RankRun:
         val_loss: float | None,
         writer: MetricsWriter | None,
     ) -> None:
-        m, P, D = self.plan.schedule.num_microbatches, self.num_ranks, self.cfg.data_parallel
+        m, P, D = self.cfg.num_microbatches, self.num_ranks, self.cfg.data_parallel
         done = sorted(gathered[self.last]["times"])
         for j in done:
             # a micro-batch's loss: the mean of its D slices' (equal-size means), replica order
@@ -365,3 +359,9 @@ class RankRun:
         if self.rank != self.last:
             return None
         return write_outputs(self, gathered, text)
+
+
+__all__ = [
+    "RankFailure",
+    "RankRun",
+]

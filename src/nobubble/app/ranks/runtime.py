@@ -121,7 +121,7 @@ def _coordinates(cfg: TrainConfig, rank: int, run: RankRun | None = None) -> str
     stages it runs (several in interleaved and V placements, once the plan is known)."""
     dp, pp = divmod(rank, cfg.stages)
     plan = getattr(run, "plan", None)
-    local = plan.schedule.placement.stages_of(pp) if plan is not None else (pp,)
+    local = plan.placement.stages_of(pp) if plan is not None else (pp,)
     stages = f"stage {local[0]}" if len(local) == 1 else "stages " + ", ".join(map(str, local))
     return f"{rank} (dp {dp}, pp {pp}: {stages})"
 
@@ -167,3 +167,9 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
     )
     # Peers may be dead or blocked: no collective clean-up, leave now with a failure status.
     os._exit(1)
+
+
+__all__ = [
+    "resolve_device",
+    "run_rank",
+]

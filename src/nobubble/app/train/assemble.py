@@ -1,7 +1,8 @@
-"""Build the pieces of a run from a ``TrainConfig``: data, model stages, schedule, workers.
+"""Build the pieces of a run from a ``TrainConfig``: data, model stages, the pipeline.
 
 Shared by the emulator (all stages in one process) and the multi-process runtime (one stage per
-rank), so both start from the same numbers: same seed, same split, same schedule and ledger.
+rank), so both start from the same numbers: same seed, same split, same configuration. The run's
+schedule is the pipeline's, the one that runs: nothing here builds another.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import torch
 from torch import nn
 
 from nobubble.api.materializing import materialize, remember
-from nobubble.api.pipeline import Pipeline
+from nobubble.api.pipeline import Observer, Pipeline
 from nobubble.app.train.config import TrainConfig
 from nobubble.core.ir import Schedule
-from nobubble.core.ledger import Ledger, build_ledger
-from nobubble.core.schedules import SCHEDULES, build_schedule
+from nobubble.core.placement import Placement
 from nobubble.core.validate import validate
 from nobubble.data import TokenData, prepare_data
 from nobubble.model import (
@@ -34,24 +34,23 @@ from nobubble.model import (
     partition_layers,
     split_model,
 )
-from nobubble.optim import (
-    DelayCorrection,
-    lr_at,
-    make_correction,
-)
+from nobubble.optim import DelayCorrection
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What every rank agrees on before training: schedule, ledger, model shape and split."""
+    """What every rank agrees on before training: the placement, model shape and split."""
 
     cfg: TrainConfig
-    schedule: Schedule
-    ledger: Ledger
+    placement: Placement
     model_cfg: ModelConfig | None  # None for a Hugging Face model (--model hf:PATH)
     layer_ranges: list[range]  # the internal GPT's; a Hugging Face split's are in Model
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
 
     @property
     def drain_points(self) -> list[int]:
@@ -61,35 +60,32 @@ class Plan:
 
 
 def make_schedule(cfg: TrainConfig) -> Schedule:
-    # Asynchronous schedules drain where the run evaluates and checkpoints; synchronous ones
-    # drain after every step anyway.
-    drain = None if SCHEDULES[cfg.schedule].synchronous else cfg.eval_every
-    schedule = build_schedule(
-        cfg.schedule,
+    """The whole schedule of a run of ``cfg`` as its pipeline runs it (drained at the drain
+    points), for what looks at a run from outside: projections and tests of the parts."""
+    spec = cfg.schedule_spec
+    drain = None if spec.info.synchronous else cfg.eval_every
+    schedule = spec.generate(
         cfg.stages,
-        cfg.microbatches,
         cfg.steps,
-        cfg.accum,
         drain_every=drain,
         sync_warmup=cfg.sync_warmup_steps,
         max_actions=None,
-        virtual_stages=cfg.virtual_stages,
     )
     validate(schedule)
     return schedule
 
 
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
-    schedule = make_schedule(cfg)
+    placement = cfg.schedule_spec.placement(cfg.stages)
     if cfg.is_hf:
-        check_hf_vocab(cfg, vocab_size)
-        return Plan(cfg, schedule, build_ledger(schedule), None, [])
+        _check_hf_vocab(cfg, vocab_size)
+        return Plan(cfg, placement, None, [])
     model_cfg = model_config(cfg.model, vocab_size, cfg.seq_len)
-    ranges = partition_layers(model_cfg, schedule.num_stages, seq_len=cfg.seq_len)  # v·P
-    return Plan(cfg, schedule, build_ledger(schedule), model_cfg, ranges)
+    ranges = partition_layers(model_cfg, placement.num_stages, seq_len=cfg.seq_len)  # v·P
+    return Plan(cfg, placement, model_cfg, ranges)
 
 
-def check_hf_vocab(cfg: TrainConfig, vocab_size: int) -> None:
+def _check_hf_vocab(cfg: TrainConfig, vocab_size: int) -> None:
     """The data's token ids must fit the Hugging Face model's embedding."""
     from nobubble.model.hf import config_vocab
 
@@ -192,7 +188,7 @@ def _gpt_per_stage(plan: Plan, local: Sequence[int], device: torch.device | None
     assert plan.model_cfg is not None
     with torch.device("meta"):
         gpt = GPT(plan.model_cfg)
-    stages = split_model(gpt, plan.schedule.num_stages, plan.layer_ranges, share=True)
+    stages = split_model(gpt, plan.num_stages, plan.layer_ranges, share=True)
     remember(stages, gpt)
     materialize(stages, local, seed=plan.cfg.seed, device=device or "cpu")
     return Model(list(stages), None, plan.layer_ranges, plan.model_cfg.num_params())
@@ -200,11 +196,11 @@ def _gpt_per_stage(plan: Plan, local: Sequence[int], device: torch.device | None
 
 def load_data(cfg: TrainConfig) -> TokenData:
     data = prepare_data(cfg.data_config())
-    check_val_split(cfg, data)
+    _check_val_split(cfg, data)
     return data
 
 
-def check_val_split(cfg: TrainConfig, data: TokenData) -> None:
+def _check_val_split(cfg: TrainConfig, data: TokenData) -> None:
     """Refuse data whose validation split holds less than one micro-batch of windows now,
     before training, rather than at the first evaluation."""
     windows, batch = data.num_val_windows, cfg.global_micro_batch_size
@@ -229,48 +225,31 @@ def make_stages(plan: Plan) -> list[StageModule]:
         "model %s: %.2fM parameters, split over %d stages:\n%s",
         plan.cfg.model,
         plan.model_cfg.num_params() / 1e6,
-        plan.schedule.num_stages,
+        plan.num_stages,
         describe_partition(plan.model_cfg, plan.layer_ranges, seq_len=plan.cfg.seq_len),
     )
-    return split_model(model, plan.schedule.num_stages, plan.layer_ranges)
+    return split_model(model, plan.num_stages, plan.layer_ranges)
 
 
 def stage_correction(cfg: TrainConfig) -> DelayCorrection:
-    return make_correction(cfg.correction, cfg.ef_lambda, cfg.delay_lr_span or 1)
+    return cfg.pipeline_config().correction.build()
 
 
-def make_pipeline(plan: Plan, stages: list[nn.Module], runtime: str = "emulate") -> Pipeline:
-    """The emulated pipeline of a ``nobubble train`` run: the public API with the recipe's
-    settings (warm-up and cosine learning rate, clipping, weight decay) spelled out."""
-    cfg = plan.cfg
-    optim_cfg = cfg.optim_config()
-    return Pipeline(
-        list(stages),
-        lm_loss,
-        schedule=cfg.schedule,
-        virtual_stages=cfg.virtual_stages,
-        microbatches=cfg.microbatches,
-        accum=cfg.accum,
-        optimizer=cfg.optimizer,
-        lr=lambda step: lr_at(step, cfg.steps, optim_cfg),
-        optimizer_options={
-            "weight_decay": cfg.weight_decay,
-            "momentum": cfg.momentum,
-            "fused_adamw": cfg.fused_adamw,
-        },
-        clip=optim_cfg.clip_norm,
-        clip_scope="global" if cfg.global_clip else "stage",
-        correction=cfg.correction,
-        ef_lambda=cfg.ef_lambda,
-        delay_lr_steps=cfg.delay_lr_span,
-        sync_warmup=cfg.sync_warmup_steps,
-        dtype=cfg.dtype,
-        recompute=cfg.paci_recompute,
-        fused_grad_accumulation=cfg.fused_grad_accumulation,
-        steps=cfg.steps,
-        runtime=runtime,
-        timeout=cfg.dist_timeout,
-        data_parallel=cfg.data_parallel,
-        bucket_mb=cfg.bucket_mb,
-        shard=cfg.shard,
-    )
+def make_pipeline(plan: Plan, stages: list[nn.Module], observe: Observer | None = None) -> Pipeline:
+    """The pipeline of a ``nobubble train`` run: the public API with the run's configuration
+    (``TrainConfig.pipeline_config``: the recipe's warm-up and cosine learning rate, clipping,
+    weight decay spelled out)."""
+    return Pipeline(list(stages), lm_loss, config=plan.cfg.pipeline_config(), observe=observe)
+
+
+__all__ = [
+    "Model",
+    "Plan",
+    "load_data",
+    "make_model",
+    "make_pipeline",
+    "make_plan",
+    "make_schedule",
+    "make_stages",
+    "stage_correction",
+]

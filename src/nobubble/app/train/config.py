@@ -1,15 +1,17 @@
 """``TrainConfig``: everything a training run needs, validated on construction.
 
 Flat on purpose: one field per command-line flag (``--ef-lambda`` is ``ef_lambda``), so a config
-file (JSON or TOML with the same keys) and the flags are the same thing. The component configs
-(``OptimConfig``, ``DataConfig``, the model preset) are derived from it and validate their own
-parts; everything that can be checked without data is checked here, before any work starts.
+file (JSON or TOML with the same keys), the flags and a checkpoint's fingerprint are the same
+thing. A field that configures the pipeline has the name of its spec field
+(``nobubble.api.config``): ``pipeline_config()`` builds the specs from those fields and they
+check them, with the same texts as ``Pipeline``'s. The other component configs (``OptimConfig``,
+``DataConfig``, the model preset) are derived too; what only a run has (drain and checkpoint
+points, model depth, memory) is checked here, all before any work starts.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -20,26 +22,14 @@ import tomllib
 from nobubble.app.train.config_fields import (
     TrainFields,
     check_choice,
-    check_finite_nonnegative,
     check_port,
     check_positive,
-)
-from nobubble.core.schedules import (
-    SCHEDULE_NAMES,
-    SCHEDULES,
-    check_trainable,
-    resolve_virtual_stages,
 )
 from nobubble.core.util import physical_memory_bytes
 from nobubble.model import MODEL_PRESETS, model_config
 from nobubble.model.hf import check_installed, config_layers
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
-from nobubble.optim import CORRECTIONS, OPTIMIZERS
-from nobubble.optim.config import SHARDED_OPTIMIZERS
 
-DTYPES = ("fp32", "bf16")
-CLIP_SCOPES = ("auto", "stage", "global")
-RUNTIMES = ("emulate", "dist")
 # Share of the machine's memory a run may plan to fill; the rest is for the OS, other programs and
 # what the estimate leaves out (the allocator's slack, transient copies while the model is built).
 MEMORY_SHARE = 0.8
@@ -48,7 +38,6 @@ MEMORY_SHARE = 0.8
 PROCESS_BYTES = 2**29
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
-SHARDS = ("none", "fsdp")  # within a stage: replicated, or FSDP2 over its dp group
 # Fields that change the numbers of a run; a checkpoint only resumes a run that agrees on them.
 RUNTIME_ONLY = (
     "out",
@@ -73,39 +62,30 @@ RUNTIME_ONLY = (
 class TrainConfig(TrainFields):
     """One training run. Every field is a ``nobubble train`` flag of the same name.
 
-    schedule: one of ``nobubble schedules``. optimizer: adamw | muon | nadam | lion, or
-        soap | adan | mars | normuon with the optim extra.
-    correction: none | ef (update-level error feedback, ``ef_lambda``) | sync-warmup
-        (``sync_warmup`` synchronous steps first; 0 means 10 % of the steps).
-    stages: pipeline ranks P (the stages too, but for interleaved-1f1b and zbv).
-    virtual_stages: interleaved-1f1b's stages per rank v (default 2); the model is cut into
-        v·P stages (zbv: 2P). microbatches: M per step. accum: ``a`` of pipedream/paci.
-    micro_batch_size: sequences per micro-batch. steps: optimizer steps. lr: peak learning rate.
-    clip: gradient-norm clip (0 disables). clip_scope: auto (global for synchronous schedules,
-        per stage for asynchronous ones, which must not synchronize stages) | stage | global.
-    eval_every: validation every K steps; asynchronous schedules drain there (design.md sec. 5).
+    The pipeline's options are the fields of its specs, documented there (nobubble.api.config:
+    ``ScheduleSpec`` schedule, microbatches, accum, virtual_stages; ``CorrectionSpec``
+    correction, ef_lambda, delay_lr_steps, sync_warmup; optimizer, clip, clip_scope;
+    ``RuntimeSpec`` runtime, dist_timeout, data_parallel, bucket_mb, shard; ``ComputeSpec``
+    dtype, paci_recompute, fused_grad_accumulation). What only a run has:
+
+    stages: pipeline ranks P (the stages too, but for interleaved-1f1b, v·P, and zbv, 2P).
+    micro_batch_size: sequences per micro-batch, per replica: the run reads global micro-batches
+        of data_parallel·micro_batch_size sequences, replica r the r-th slice of each.
+    steps: optimizer steps. lr: peak learning rate (linear warm-up over warmup_frac of the
+        steps, cosine to min_lr_ratio of it); weight_decay, momentum, fused_adamw: the
+        optimizer's (``OptimConfig``). clip: 0 disables.
+    eval_every: validation every K steps; asynchronous schedules drain there.
     checkpoint_every: checkpoint every K steps (a multiple of eval_every); 0 = only at the end.
-    dtype: fp32 | bf16 (autocast, fp32 master weights). paci_recompute: recompute the stage
-        forward at backward time instead of keeping the forward's graph. fused_adamw: AdamW
-        through torch's fused kernel. fused_grad_accumulation: Linear and Embedding layers add
-        their weight gradient into ``.grad`` inside the backward (``Pipeline``'s argument).
     threads: torch intra-op threads per process (0: torch's default; the multi-process runtime
         defaults to cores / stages, since OpenMP threads that outnumber cores spin and stall).
     stop_at: stop after the checkpoint of this step (a planned interruption; --resume continues).
-    dist_timeout: seconds a rank waits for a peer before it gives up: a hung rank is caught
-        that way, and every process is gone within it + 6 s. master_port: rendezvous port
-        (0: a free one).
+    dist_timeout: a hung rank is caught that way, and every process is gone within it + 6 s.
+    master_port: rendezvous port (0: a free one).
     device: auto (cuda when available, else cpu) | cpu | cuda: where each rank's stage runs.
     backend: auto (nccl on cuda, gloo on cpu) | gloo | nccl (gloo on cuda: ranks share GPUs,
         every transfer through host memory; a debugging mode, docs/runtime.md).
     strict_p2p: run point-to-point under NCCL's completion rules on any backend (one stream per
         rank; a testing aid that makes an order NCCL would deadlock on hang on gloo too).
-    data_parallel: D pipeline replicas (--runtime dist): P·D processes; each stage averages its
-        gradients over its D replicas before every step. ``micro_batch_size`` is per replica:
-        the run reads global micro-batches of D·micro_batch_size sequences, replica r the r-th
-        slice of each. bucket_mb: the all-reduce's bucket size. shard: none | fsdp (each
-        stage's parameters, gradients and optimizer state sharded across its D replicas with
-        FSDP2; needs data_parallel >= 2 and adamw, nadam, lion or muon).
     model: a preset (tiny, mini, ...) or hf:PATH, a Hugging Face model folder or config.json
         (Llama family or GPT-2; a config alone gets a random init from --seed).
     untie_embeddings: a Hugging Face model with tied embeddings trains its head as a separate
@@ -113,97 +93,60 @@ class TrainConfig(TrainFields):
     """
 
     def __post_init__(self) -> None:
-        check_choice("schedule", self.schedule, SCHEDULE_NAMES)
-        check_choice("runtime", self.runtime, RUNTIMES)
-        check_trainable(self.schedule, runtime=self.runtime)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        check_choice("correction", self.correction, CORRECTIONS)
-        check_choice("dtype", self.dtype, DTYPES)
-        check_choice("clip-scope", self.clip_scope, CLIP_SCOPES)
         check_choice("device", self.device, DEVICES)
         check_choice("backend", self.backend, BACKENDS)
-        if not self.is_hf:
-            if self.model.startswith("hf"):
-                raise ValueError(f"--model {self.model!r}: write hf:PATH (a folder or config.json)")
-            check_choice("model", self.model, tuple(MODEL_PRESETS))
         for name in (
             "stages",
-            "microbatches",
             "micro_batch_size",
             "steps",
             "eval_every",
             "eval_batches",
             "seq_len",
-            "data_parallel",
         ):
             check_positive(name, getattr(self, name))
-        for name in (
-            "sync_warmup",
-            "delay_lr_steps",
-            "checkpoint_every",
-            "seed",
-            "sample_tokens",
-            "threads",
-            "stop_at",
-        ):
+        for name in ("checkpoint_every", "seed", "sample_tokens", "threads", "stop_at"):
             check_positive(name, getattr(self, name), minimum=0)
-        if self.accum is not None:
-            check_positive("accum", self.accum)
-        resolve_virtual_stages(self.schedule, self.virtual_stages)  # a v that does not apply
-        for name in ("clip", "ef_lambda", "dist_timeout"):
-            check_finite_nonnegative(name, getattr(self, name))
         check_port(self.master_port)
-        self._check_combinations()
-        self.optim_config()  # validates lr, weight decay, warmup, ...
+        # the pipeline's options: each spec checks itself, then against the others (api/config)
+        self.pipeline_config()
+        self.schedule_spec.check(self.stages)  # the schedule's own preconditions on (P, M, v)
+        self._check_model()
+        self._check_run()
         self.data_config()
         self._check_memory()
 
-    def _check_combinations(self) -> None:
-        info = SCHEDULES[self.schedule]
+    def _check_model(self) -> None:
+        """A preset or a Hugging Face model, with at least one layer per stage."""
         if self.is_hf:
             check_installed()
             n_layers = config_layers(self.hf_config())
         else:
+            if self.model.startswith("hf"):
+                raise ValueError(f"--model {self.model!r}: write hf:PATH (a folder or config.json)")
+            check_choice("model", self.model, tuple(MODEL_PRESETS))
             n_layers = MODEL_PRESETS[self.model].n_layers
             if self.untie_embeddings:
                 raise ValueError(
                     "--untie-embeddings applies to Hugging Face models (--model hf:PATH); "
                     f"{self.model} has an untied head already"
                 )
-        if self.model_stages > n_layers:
-            per_rank = self.model_stages // self.stages
-            cut = (
-                f" cuts the model into {self.model_stages} stages ({per_rank} per rank under "
-                f"{self.schedule}), which"
-                if per_rank > 1
-                else ""
-            )
-            raise ValueError(
-                f"--stages {self.stages}{cut} is more than the {n_layers} layers of model "
-                f"{self.model!r}: use --stages {max(1, n_layers // per_rank)} or fewer, or a "
-                "deeper --model"
-            )
-        if info.check is not None:  # the schedule's own preconditions on (P, M, v)
-            info.check(self.stages, self.num_microbatches, self.model_stages // self.stages)
-        if self.accum is not None and not info.uses_accum:
-            raise ValueError(
-                f"--accum applies to pipedream and paci, not {self.schedule}; use --microbatches"
-            )
-        if self.schedule == "2bw" and self.num_microbatches < self.stages - 1:
-            raise ValueError(
-                f"2bw needs --microbatches >= stages-1 = {self.stages - 1}, got "
-                f"{self.num_microbatches}"
-            )
-        if self.correction != "none" and info.synchronous:
-            raise ValueError(
-                f"--correction {self.correction} corrects asynchronous schedules; "
-                f"{self.schedule} is synchronous: use --correction none"
-            )
-        if self.clip_scope == "global" and not info.synchronous:
-            raise ValueError(
-                f"--clip-scope global would synchronize the stages of the "
-                f"asynchronous {self.schedule}: use --clip-scope stage or auto"
-            )
+        if self.model_stages <= n_layers:
+            return
+        per_rank = self.model_stages // self.stages
+        cut = (
+            f" cuts the model into {self.model_stages} stages ({per_rank} per rank under "
+            f"{self.schedule}), which"
+            if per_rank > 1
+            else ""
+        )
+        raise ValueError(
+            f"--stages {self.stages}{cut} is more than the {n_layers} layers of model "
+            f"{self.model!r}: use --stages {max(1, n_layers // per_rank)} or fewer, or a "
+            "deeper --model"
+        )
+
+    def _check_run(self) -> None:
+        """What only a training run has: drain points, checkpoints, where the ranks run."""
         if self.checkpoint_every % self.eval_every:
             raise ValueError(
                 f"--checkpoint-every {self.checkpoint_every} must be a multiple of "
@@ -216,64 +159,11 @@ class TrainConfig(TrainFields):
                 "--device cuda, --backend and --strict-p2p apply to --runtime dist; the "
                 "emulator runs every stage in one process on the CPU: use --runtime dist"
             )
-        if self.data_parallel > 1 and self.runtime != "dist":
-            raise ValueError(
-                f"--data-parallel {self.data_parallel} needs --runtime dist (one process per "
-                "stage and replica); the emulator runs one replica: give it --micro-batch-size "
-                f"{self.data_parallel * self.micro_batch_size} (D × b) for the same numbers"
-            )
-        if self.data_parallel > 1 and self.model_stages != self.stages:
-            raise ValueError(
-                f"--data-parallel {self.data_parallel} with --schedule {self.schedule} "
-                f"({self.model_stages // self.stages} stages per rank): data parallelism runs "
-                "one stage per rank for now; use 1f1b, zb-h1, gpipe, 2bw, pipedream or paci"
-            )
-        if not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
-            raise ValueError(f"--bucket-mb {self.bucket_mb!r}: use a bucket size in MB > 0")
-        check_choice("shard", self.shard, SHARDS)
-        if self.shard == "fsdp" and self.data_parallel < 2:
-            raise ValueError(
-                "--shard fsdp shards each stage across its data-parallel replicas: give it "
-                "--data-parallel 2 or more (with --runtime dist), or drop --shard"
-            )
-        if self.shard == "fsdp" and self.correction == "predict":
-            raise ValueError(
-                "--shard fsdp with --correction predict: a prediction is a whole-stage weight "
-                "copy, which the sharded versions do not keep; use --correction ef or delay-lr, "
-                "or drop --shard"
-            )
-        if self.shard == "fsdp" and self.optimizer not in SHARDED_OPTIMIZERS:
-            raise ValueError(
-                f"--shard fsdp with --optimizer {self.optimizer}: its update reads whole "
-                f"matrices and has not been written for sharded parameters; use one of "
-                f"{', '.join(SHARDED_OPTIMIZERS)}, or drop --shard"
-            )
-        if self.paci_recompute and self.schedule != "paci":
-            raise ValueError("--paci-recompute applies to --schedule paci only")
-        if self.fused_grad_accumulation and SCHEDULES[self.schedule].split_backward:
-            raise ValueError(
-                f"--fused-grad-accumulation true needs each micro-batch's backward in one pass; "
-                f"--schedule {self.schedule} computes the weight gradients apart (W): use 1f1b, "
-                "paci or another schedule with a fused backward, or drop the flag"
-            )
-        if self.fused_grad_accumulation and self.data_parallel > 1:
-            raise ValueError(
-                f"--fused-grad-accumulation true with --data-parallel {self.data_parallel}: the "
-                "data-parallel reduction launches from autograd's gradients, which fusion does "
-                "not produce; use --data-parallel 1 or drop the flag"
-            )
         every = self.checkpoint_every
         if self.stop_at and not (self.stop_at < self.steps and every and self.stop_at % every == 0):
             raise ValueError(
                 f"--stop-at {self.stop_at} must be a checkpoint step below --steps "
                 f"{self.steps} (a multiple of --checkpoint-every)"
-            )
-        if self.sync_warmup >= self.steps:
-            raise ValueError(f"--sync-warmup {self.sync_warmup} must be below --steps {self.steps}")
-        if self.delay_lr_steps and self.correction != "delay-lr":
-            raise ValueError(
-                f"--delay-lr-steps {self.delay_lr_steps} applies to --correction delay-lr only, "
-                f"not {self.correction}: drop it or use --correction delay-lr"
             )
 
     def _check_memory(self) -> None:
@@ -393,3 +283,13 @@ def _largest(fits: Callable[[int], bool], upper: int) -> int:
 
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.1f} GiB"
+
+
+__all__ = [
+    "BACKENDS",
+    "DEVICES",
+    "MEMORY_SHARE",
+    "PROCESS_BYTES",
+    "RUNTIME_ONLY",
+    "TrainConfig",
+]

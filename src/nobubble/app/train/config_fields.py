@@ -1,22 +1,24 @@
 """The fields of a training run (``TrainFields``, the base of ``TrainConfig``, whose docstring
-documents them), what follows from the fields alone (the optimizer and data configs,
-micro-batches, tokens per step, stages, vocabulary), and the checks of one field."""
+documents them), what follows from the fields alone (the pipeline's configuration, the optimizer
+and data configs, micro-batches, tokens per step, stages, vocabulary), and the checks of one
+field.
+
+A field that configures the pipeline has the name of the spec field it fills
+(``nobubble.api.config``): ``pipeline_config`` copies them by name, and the specs check them.
+"""
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from nobubble.core.schedules import (
-    SCHEDULES,
-    resolve_microbatches,
-    resolve_virtual_stages,
-)
+from nobubble.api.config import ComputeSpec, OptimizerSpec, PipelineConfig, RuntimeSpec
+from nobubble.core.schedules import ScheduleSpec
 from nobubble.data import DataConfig
-from nobubble.optim import OptimConfig
+from nobubble.optim import CorrectionSpec, OptimConfig, lr_at
 
 GPT2_VOCAB_SIZE = 50257  # --tokenizer gpt2 fixes the vocabulary, whatever --vocab-size says
 
@@ -98,36 +100,66 @@ class TrainFields:
             return max(1, min(int(local), self.stages))
         return self.stages
 
+    def _spec(self, kind: type) -> Any:
+        """The spec ``kind`` from the fields of the same names."""
+        return kind(**{f.name: getattr(self, f.name) for f in fields(kind) if f.init})
+
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        return self._spec(ScheduleSpec)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline's configuration, checked (each spec, then against each other): the
+        recipe's learning rate (warm-up, cosine) by step, the optimizer's options."""
+        optim = self.optim_config()
+        optimizer = OptimizerSpec(
+            optimizer=self.optimizer,
+            lr=partial(lr_at, total_steps=self.steps, cfg=optim),
+            optimizer_options={
+                "weight_decay": self.weight_decay,
+                "momentum": self.momentum,
+                "fused_adamw": self.fused_adamw,
+            },
+            clip=self.clip,
+            clip_scope=self.clip_scope,
+        )
+        runtime = {
+            f.name: getattr(self, f.name) for f in fields(RuntimeSpec) if f.name != "backend"
+        }
+        return PipelineConfig(
+            schedule=self.schedule_spec,
+            optimizer=optimizer,
+            correction=self._spec(CorrectionSpec),
+            # the backend is the launcher's (app/ranks): the pipeline uses the group it started
+            runtime=RuntimeSpec(**runtime),
+            compute=self._spec(ComputeSpec),
+            steps=self.steps,
+        )
+
     @property
     def model_stages(self) -> int:
         """The stages the model is cut into: v·P, or P with one stage per rank."""
-        return self.stages * resolve_virtual_stages(self.schedule, self.virtual_stages)
+        return self.stages * self.schedule_spec.stages_per_rank
 
     @property
     def num_microbatches(self) -> int:
         """M per optimizer step as the schedule reads it (``a`` for pipedream and paci)."""
-        return resolve_microbatches(self.schedule, self.microbatches, self.accum)
+        return self.schedule_spec.num_microbatches
 
     @property
     def delay_lr_span(self) -> int | None:
         """The steps over which --correction delay-lr's damping fades (0: a quarter of --steps)."""
         if self.correction != "delay-lr":
             return None
-        return self.delay_lr_steps or max(1, self.steps // 4)
+        return self.pipeline_config().correction.delay_lr_steps
 
     @property
     def sync_warmup_steps(self) -> int:
-        if self.correction != "sync-warmup":
-            return 0
-        return self.sync_warmup or max(1, self.steps // 10)
+        return self.pipeline_config().correction.sync_warmup
 
     @property
     def global_clip(self) -> bool:
-        if self.clip == 0:
-            return False
-        if self.clip_scope == "auto":
-            return SCHEDULES[self.schedule].synchronous
-        return self.clip_scope == "global"
+        return self.pipeline_config().global_clip
 
     @property
     def global_micro_batch_size(self) -> int:
@@ -185,11 +217,10 @@ def check_positive(name: str, value: object, minimum: int = 1) -> None:
         raise ValueError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_finite_nonnegative(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value >= 0)
-    ):
-        flag = name.replace("_", "-")
-        raise ValueError(f"--{flag} must be a finite number >= 0, got {value!r}")
+__all__ = [
+    "GPT2_VOCAB_SIZE",
+    "TrainFields",
+    "check_choice",
+    "check_port",
+    "check_positive",
+]

@@ -11,45 +11,56 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from nobubble.app.train.config import TrainConfig
 
+# The flags of the run itself; a flag that configures the pipeline takes its help from its spec
+# field (nobubble.api.config) and its choices from the registries (``_from_specs``).
 HELP = {
     "model": "a preset (tiny, mini, small, medium, ...) or hf:PATH, a Hugging Face model folder "
     "or config.json (Llama family, GPT-2)",
     "untie_embeddings": "train a tied Hugging Face head as its own parameter (async schedules)",
-    "correction": "none | ef (error feedback, scaled by each stage's delay) | predict (delayed "
-    "forwards read weights extrapolated by their delay) | delay-lr (per-stage lr warm-up by "
-    "delay) | sync-warmup",
-    "ef_lambda": "error-feedback lambda (default 1)",
-    "delay_lr_steps": "steps over which --correction delay-lr's damping fades (0: --steps/4)",
-    "sync_warmup": "synchronous steps first with --correction sync-warmup (0: 10%% of --steps)",
-    "virtual_stages": "stages per rank v of interleaved-1f1b (default 2; zbv: 2)",
-    "accum": "accumulation factor a of pipedream (default 1) and paci (default --microbatches)",
-    "clip": "gradient-norm clip, 0 disables",
-    "clip_scope": "auto (global for sync, per stage for async) | stage | global",
     "data": "'shakespeare' (default corpus), a text file or folder, or .bin shards",
     "eval_every": "validate (and drain async schedules) every K steps",
     "checkpoint_every": "checkpoint every K steps (multiple of --eval-every; 0: at the end)",
-    "dtype": "fp32 | bf16 (autocast, fp32 master weights)",
     "fused_adamw": "true: AdamW (also Muon's AdamW side) in torch's fused kernel, no per-tensor "
     "scratch in the step; last-bit different results",
-    "fused_grad_accumulation": "true: Linear and Embedding layers add their weight gradient into "
-    ".grad inside the backward (no fresh gradient per micro-batch); last-bit different results",
-    "runtime": "emulate (one process) | dist (one process per stage and replica)",
     "resume": "continue the run in this directory from its last checkpoint",
     "out": "run directory (default runs/<time>-<schedule>-<optimizer>)",
     "threads": "torch threads per process (0: torch default)",
     "stop_at": "stop after the checkpoint of this step (resume later with --resume)",
-    "dist_timeout": "seconds to wait for a peer rank before failing",
     "master_port": "rendezvous port of --runtime dist (0: pick a free one)",
     "device": "auto (cuda when available) | cpu | cuda: where --runtime dist runs each stage",
     "backend": "auto (nccl on cuda, gloo on cpu) | gloo | nccl; gloo with --device cuda lets "
     "ranks share a GPU, every transfer through host memory (to debug)",
     "strict_p2p": "enforce NCCL's point-to-point rules on any backend (testing aid)",
-    "data_parallel": "D pipeline replicas (--runtime dist: stages × D processes); "
-    "--micro-batch-size is per replica",
-    "bucket_mb": "bucket size (MB) of the data-parallel gradient all-reduce",
-    "shard": "none | fsdp: shard each stage's parameters, gradients and optimizer state "
-    "across its --data-parallel replicas (FSDP2)",
 }
+
+
+def _from_specs() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """The help and choices of the flags that fill a spec field: the field's own help, and the
+    registry's names with each entry's help."""
+    from dataclasses import fields
+
+    from nobubble.api.config import CLIP_SCOPES, DTYPES, RUNTIMES, SHARDS, PipelineConfig
+    from nobubble.core.schedules import SCHEDULES
+    from nobubble.optim import CORRECTION_ENTRIES, OPTIMIZER_ENTRIES
+
+    help_text: dict[str, str] = {}
+    for part in fields(PipelineConfig):
+        factory: Any = part.default_factory
+        if factory is not MISSING:
+            help_text.update({f.name: f.metadata["help"] for f in fields(factory) if f.metadata})
+    registries: dict[str, dict[str, str]] = {
+        "schedule": {n: i.summary for n, i in SCHEDULES.items()},
+        "optimizer": {n: e.help for n, e in OPTIMIZER_ENTRIES.items()},
+        "correction": {n: e.help for n, e in CORRECTION_ENTRIES.items()},
+    }
+    for name, entries in registries.items():
+        if name != "schedule":  # the schedules' summaries: `nobubble schedules`
+            help_text[name] += ": " + " | ".join(f"{n} ({h})" for n, h in entries.items())
+    choices = {name: tuple(entries) for name, entries in registries.items()}
+    choices.update(
+        {"runtime": RUNTIMES, "dtype": tuple(DTYPES), "clip_scope": CLIP_SCOPES, "shard": SHARDS}
+    )
+    return {k: v.replace("%", "%%") for k, v in help_text.items()}, choices
 
 
 def _parse_bool(text: str) -> bool:
@@ -63,16 +74,11 @@ def _parse_bool(text: str) -> bool:
 def build_train_parser() -> argparse.ArgumentParser:
     """The full ``train`` parser; built only for ``train`` because it imports torch."""
     from nobubble.app.train.config import TrainConfig
-    from nobubble.core.schedules import SCHEDULE_NAMES
     from nobubble.data.config import TOKENIZERS
-    from nobubble.optim import OPTIMIZERS
 
-    choices: dict[str, tuple[str, ...]] = {
-        "schedule": SCHEDULE_NAMES,
-        "optimizer": OPTIMIZERS,
-        "tokenizer": TOKENIZERS,
-        "shard": ("none", "fsdp"),
-    }
+    spec_help, choices = _from_specs()
+    help_of = {**HELP, **spec_help}
+    choices["tokenizer"] = TOKENIZERS
     p = argparse.ArgumentParser(
         prog="nobubble train", description="Train a language model under a pipeline schedule."
     )
@@ -97,7 +103,7 @@ def build_train_parser() -> argparse.ArgumentParser:
                 help="no progress bar",
             )
             continue
-        help_text = HELP.get(f.name, "") + f" (default {default})"
+        help_text = help_of.get(f.name, "") + f" (default {default})"
         p.add_argument(
             flag,
             dest=f.name,
@@ -120,3 +126,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         saved.pop("stop_at", None)  # a planned interruption ends the run it interrupted
         values = {**saved, **values}
     return TrainConfig.from_mapping(values)
+
+
+__all__ = ["build_train_parser", "config_from_args"]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nobubble import __version__
-from nobubble.api.pipeline import Pipeline, StepResult
+from nobubble.api.pipeline import Observer, Pipeline, StepResult
 from nobubble.app.train.assemble import load_data, make_model, make_pipeline, make_plan
 from nobubble.app.train.checkpoint import (
     check_fingerprint,
@@ -123,21 +123,19 @@ class Trainer:
         if self.start_step and self.start_step not in self.plan.drain_points:
             raise ValueError(f"checkpoint step {self.start_step} is not a drain point")
         self.model = make_model(self.plan)
-        self.pipe = make_pipeline(self.plan, self.model.stages)
+        # every action's duration recorded, for the projected clock of `bench time-to-target`
+        self.pipe = make_pipeline(self.plan, self.model.stages, Observer(record=True))
         self.workers = self.pipe.workers
         if manifest is not None:
             parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.model_stages)]
             self.pipe.load_stage_parts(self.start_step, parts)
-        # every action's duration, for the projected clock of `bench time-to-target`
-        for interpreter in self.pipe.emulator.interpreters:
-            interpreter.record = True
         self.step_losses: dict[int, list[float]] = {}
         self.result = RunResult(self.run_dir)
 
     # ----- per-step bookkeeping ----------------------------------------------------------------
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch ``step`` (0-based): its micro-batches, stacked along dim 0."""
-        m = self.plan.schedule.num_microbatches
+        m = self.cfg.num_microbatches
         pieces = [
             self.data.train_microbatch(i, self.cfg.micro_batch_size)
             for i in range(step * m, (step + 1) * m)
@@ -250,10 +248,9 @@ class Trainer:
         durations: dict[str, dict[str, list[float]]] = {}
         if self.start_step and path.exists():
             durations = json.loads(path.read_text())["durations_s"]
-        for interpreter in self.pipe.emulator.interpreters:
-            for action, start, end in interpreter.spans:
-                kinds = durations.setdefault(str(action.stage), {})
-                kinds.setdefault(action.kind, []).append(round(end - start, 7))
+        for action, start, end in self.pipe.spans():
+            kinds = durations.setdefault(str(action.stage), {})
+            kinds.setdefault(action.kind, []).append(round(end - start, 7))
         path.write_text(json.dumps({"durations_s": durations}) + "\n")
 
     def _write_config(self) -> None:
@@ -262,7 +259,7 @@ class Trainer:
             "config": self.cfg.to_json(),
             "provenance": provenance(),
             "resolved": {
-                "microbatches_per_step": self.plan.schedule.num_microbatches,
+                "microbatches_per_step": self.cfg.num_microbatches,
                 "tokens_per_step": self.cfg.tokens_per_step,
                 "sync_warmup_steps": self.cfg.sync_warmup_steps,
                 "global_clip": self.cfg.global_clip,
@@ -277,7 +274,7 @@ class Trainer:
 
     def _finish(self) -> None:
         records = self.result.records
-        ledger = self.plan.ledger
+        ledger = self.pipe.ledger  # the schedule that ran, through its last step
         (self.run_dir / "ledger.json").write_text(
             json.dumps(
                 {
@@ -328,3 +325,14 @@ def run_summary(
         "peak_weight_versions": [p[2] for p in peaks],
         "sample": text,
     }
+
+
+__all__ = [
+    "RunResult",
+    "Trainer",
+    "git_revision",
+    "provenance",
+    "resolve_run_dir",
+    "run_summary",
+    "validation_loss",
+]

@@ -9,9 +9,11 @@ schedule's preconditions and calls the generator.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from nobubble.core.ir import Schedule, ScheduleError
+from nobubble.core.placement import Placement
 from nobubble.core.schedules import (
     dualpipev,
     gpipe,
@@ -52,7 +54,9 @@ SCHEDULES: dict[str, ScheduleInfo] = {
             one_f_one_b.NAME, one_f_one_b.SUMMARY, one_f_one_b.generate, True, False, None
         ),
         ScheduleInfo(pipedream.NAME, pipedream.SUMMARY, pipedream.generate, False, True, 1),
-        ScheduleInfo(two_bw.NAME, two_bw.SUMMARY, two_bw.generate, False, False, None),
+        ScheduleInfo(
+            two_bw.NAME, two_bw.SUMMARY, two_bw.generate, False, False, None, check=two_bw.check
+        ),
         ScheduleInfo(paci.NAME, paci.SUMMARY, paci.generate, False, True, None),
         ScheduleInfo(
             interleaved_1f1b.NAME,
@@ -106,23 +110,6 @@ SCHEDULES: dict[str, ScheduleInfo] = {
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
-# What training runs: both runtimes run every schedule (a rank with several stages posts its
-# receives in the sender's order, core/sender_order.py).
-TRAINABLE = SCHEDULE_NAMES
-DIST_TRAINABLE = SCHEDULE_NAMES
-
-
-def check_trainable(name: str, what: str | None = None, runtime: str = "emulate") -> None:
-    """Refuse a schedule the given runtime cannot train, naming what works (``runtime``:
-    "emulate", every stage in one process, or "dist")."""
-    schedule_info(name)  # an unknown name gets the list of known ones
-    runnable = TRAINABLE if runtime != "dist" else DIST_TRAINABLE
-    if name in runnable:
-        return
-    raise ScheduleError(
-        f"{what or '--schedule ' + name}: runtime {runtime!r} cannot train it; use one of "
-        + ", ".join(runnable)
-    )
 
 
 def schedule_info(name: str) -> ScheduleInfo:
@@ -198,16 +185,33 @@ def build_schedule(
     builds its whole schedule up front, which costs time and memory but is not refused).
     ``drain_at``: steps after which the pipeline drains too (the API's ``drain()`` calls).
     """
-    info = schedule_info(name)
     _check_positive("the number of stages P", "--stages", num_stages)
     _check_positive("the number of micro-batches M", "--microbatches", num_microbatches)
+    m = resolve_microbatches(name, num_microbatches, accum)
+    virtual = resolve_virtual_stages(name, virtual_stages)
+    return generate_resolved(
+        name, num_stages, m, virtual, num_steps, drain_every, sync_warmup, max_actions, drain_at
+    )
+
+
+def generate_resolved(
+    name: str,
+    num_stages: int,
+    m: int,
+    virtual: int,
+    num_steps: int,
+    drain_every: int | None = None,
+    sync_warmup: int = 0,
+    max_actions: int | None = MAX_ACTIONS,
+    drain_at: Collection[int] = (),
+) -> Schedule:
+    """``build_schedule`` once M and v are resolved (``ScheduleSpec`` resolves them once)."""
+    info = schedule_info(name)
     _check_positive("the number of steps", "--steps", num_steps)
     if drain_every is not None:
         _check_positive("the drain interval", "--drain-every", drain_every)
     if not isinstance(sync_warmup, int) or sync_warmup < 0:
         raise ScheduleError(f"sync warm-up must be an integer >= 0 steps, got {sync_warmup!r}")
-    m = resolve_microbatches(name, num_microbatches, accum)
-    virtual = resolve_virtual_stages(name, virtual_stages)
     if info.check is not None:
         info.check(num_stages, m, virtual)
     if max_actions is not None:
@@ -224,3 +228,81 @@ def build_schedule(
                 num_stages, m, num_steps, drain_every, sync_warmup=sync_warmup, drain_at=drain_at
             )
         return info.generate(num_stages, m, num_steps, drain_every, drain_at=drain_at, **placed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """Which schedule runs and how a step is cut: the schedule's part of a run's configuration.
+
+    schedule: a name of ``SCHEDULES`` (``nobubble schedules`` lists them with their summaries).
+    microbatches: micro-batches per optimizer step, M. accum: the accumulation factor ``a`` of
+        pipedream (default 1) and paci (default ``microbatches``); refused elsewhere.
+    virtual_stages: interleaved-1f1b's stages per rank v (default 2; zbv's is 2); refused by
+        the schedules that place one stage per rank.
+
+    Resolved once, here: ``num_microbatches`` (the M the schedule runs) and ``stages_per_rank``.
+    """
+
+    schedule: str = field(default="1f1b", metadata={"help": "the pipeline schedule"})
+    microbatches: int = field(default=4, metadata={"help": "micro-batches per optimizer step M"})
+    accum: int | None = field(
+        default=None,
+        metadata={"help": "accumulation factor a of pipedream (default 1) and paci (default M)"},
+    )
+    virtual_stages: int | None = field(
+        default=None, metadata={"help": "stages per rank v of interleaved-1f1b (default 2; zbv: 2)"}
+    )
+    num_microbatches: int = field(init=False)
+    stages_per_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        info = schedule_info(self.schedule)
+        _check_positive("the number of micro-batches M", "--microbatches", self.microbatches)
+        if self.accum is not None and not info.uses_accum:
+            accum_users = ", ".join(n for n, i in SCHEDULES.items() if i.uses_accum)
+            raise ScheduleError(
+                f"accum={self.accum} applies to {accum_users}, not {self.schedule}: use "
+                "microbatches"
+            )
+        m = resolve_microbatches(self.schedule, self.microbatches, self.accum)
+        object.__setattr__(self, "num_microbatches", m)
+        v = resolve_virtual_stages(self.schedule, self.virtual_stages)
+        object.__setattr__(self, "stages_per_rank", v)
+
+    @property
+    def info(self) -> ScheduleInfo:
+        return SCHEDULES[self.schedule]
+
+    def check(self, num_ranks: int) -> None:
+        """The schedule's own preconditions on (P, M, v), before any is generated."""
+        _check_positive("the number of stages P", "--stages", num_ranks)
+        if self.info.check is not None:
+            self.info.check(num_ranks, self.num_microbatches, self.stages_per_rank)
+
+    def placement(self, num_ranks: int) -> Placement:
+        return Placement(self.info.placement, num_ranks, self.stages_per_rank)
+
+    def generate(self, num_ranks: int, num_steps: int, **options: Any) -> Schedule:
+        """The schedule for P = ``num_ranks`` and ``num_steps`` steps (``options``: those of
+        ``generate_resolved``: drain_every, sync_warmup, max_actions, drain_at)."""
+        return generate_resolved(
+            self.schedule,
+            num_ranks,
+            self.num_microbatches,
+            self.stages_per_rank,
+            num_steps,
+            **options,
+        )
+
+
+__all__ = [
+    "SCHEDULES",
+    "SCHEDULE_NAMES",
+    "ScheduleInfo",
+    "ScheduleSpec",
+    "build_schedule",
+    "generate_resolved",
+    "resolve_microbatches",
+    "resolve_virtual_stages",
+    "schedule_info",
+]

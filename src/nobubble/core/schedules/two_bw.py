@@ -20,6 +20,16 @@ NAME = "2bw"
 SUMMARY = "async: 1F1B no flush, batch j at version j-1 (one-step delay), 2 weight copies; M >= P-1"
 
 
+def check(num_stages: int, num_microbatches: int, virtual: int) -> None:
+    """2BW's one-step delay holds only while a step's M micro-batches cover the P-1 forwards
+    in flight ahead of the last stage."""
+    if num_microbatches < num_stages - 1:
+        raise ScheduleError(
+            f"2bw needs micro-batches per step M >= P-1, got M={num_microbatches} with "
+            f"P={num_stages}; use --microbatches {num_stages - 1} or more, or fewer stages"
+        )
+
+
 def generate(
     num_stages: int,
     num_microbatches: int,
@@ -28,11 +38,7 @@ def generate(
     sync_warmup: int = 0,
     drain_at: Collection[int] = (),
 ) -> Schedule:
-    if num_microbatches < num_stages - 1:
-        raise ScheduleError(
-            f"2bw needs micro-batches per step M >= P-1, got M={num_microbatches} with "
-            f"P={num_stages}; use --microbatches {num_stages - 1} or more, or fewer stages"
-        )
+    check(num_stages, num_microbatches, 1)
     ranks = continuous_1f1b(
         num_stages, num_microbatches, num_steps, drain_every, sync_warmup, drain_at
     )

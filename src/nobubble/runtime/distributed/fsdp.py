@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
 from nobubble.engine.versions import WeightVersions
-from nobubble.optim.config import SHARDED_OPTIMIZERS
 from nobubble.runtime.distributed.shard_comm import DpGroup, Rows
 
 SHARDS = ("none", "fsdp")
@@ -231,7 +230,9 @@ class FSDPStage:
         by_id = {id(t): w for t, w in zip(found, whole, strict=True)}
         return _walk(state, lambda v: by_id[id(v)] if isinstance(v, DTensor) else v)
 
-    def scattered(self, state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    def scattered(
+        self, state: dict[str, Any], optimizer: Any, buffers: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """A stage part in the replicated format (whole tensors) cut to this rank's shards,
         as DTensors like the parameters they belong to."""
         params = dict(self.named)
@@ -251,10 +252,11 @@ class FSDPStage:
             for v, weights in state["versions"]["stash"].items()
         }
         correction_state = dict(state["correction"])
-        if correction_state.get("prev") is not None:  # error feedback: one buffer per parameter
-            correction_state["prev"] = [
-                cut(t, p) for t, (_, p) in zip(correction_state["prev"], self.named, strict=True)
-            ]
+        for key in buffers:  # the correction's per-parameter buffers (``parameter_buffers``)
+            if correction_state.get(key) is not None:
+                correction_state[key] = [
+                    cut(t, p) for t, (_, p) in zip(correction_state[key], self.named, strict=True)
+                ]
         state["correction"] = correction_state
         state["optimizer"] = _scatter_optimizer(state["optimizer"], optimizer, cut)
         return state
@@ -281,24 +283,8 @@ def _scatter_optimizer(state: dict[str, Any], optimizer: Any, cut: Callable) -> 
     return state
 
 
-def check_shard(shard: Any, data_parallel: int, optimizer: Any, ties: Sequence[Any]) -> str:
-    """``shard``, refused before any work where the pipeline cannot run it."""
-    if shard not in SHARDS:
-        raise ValueError(f"shard={shard!r} is unknown: use 'none' or 'fsdp'")
-    if shard == "none":
-        return shard
-    if data_parallel < 2:
-        raise ValueError(
-            f"shard='fsdp' shards each stage across its data-parallel replicas, but "
-            f"data_parallel={data_parallel}: use data_parallel >= 2 (runtime='dist', P·D "
-            "processes), or shard='none'"
-        )
-    if isinstance(optimizer, str) and optimizer not in SHARDED_OPTIMIZERS:
-        raise ValueError(
-            f"optimizer={optimizer!r} with shard='fsdp': its update reads whole matrices and "
-            f"has not been written for sharded parameters; use one of {SHARDED_OPTIMIZERS} "
-            "(Muon runs Newton-Schulz on the gathered matrix), or shard='none'"
-        )
+def check_ties(ties: Sequence[Any]) -> None:
+    """Refuse tied parameters before any work: FSDP2 does not add their gradients."""
     if ties:
         a, name_a, b, name_b = ties[0]
         raise ValueError(
@@ -306,7 +292,6 @@ def check_shard(shard: Any, data_parallel: int, optimizer: Any, ties: Sequence[A
             "add tied gradients across sharded stages; split with untie=True "
             "(--untie-embeddings), or use shard='none'"
         )
-    return shard
 
 
 def shard_stage(module: nn.Module, mesh: Any, timeout_s: float, stage: int) -> FSDPStage:
@@ -332,3 +317,13 @@ def shard_optimizer(fsdp: FSDPStage, optimizer: Any) -> Any:
     if "muon" in parts:
         parts["muon"] = ShardedMuon(parts["muon"], fsdp.dp)
     return optimizer
+
+
+__all__ = [
+    "SHARDS",
+    "FSDPStage",
+    "ShardedVersions",
+    "check_ties",
+    "shard_optimizer",
+    "shard_stage",
+]

@@ -19,7 +19,8 @@ replica feeds its own batch (``Pipeline.shard`` cuts it from a global one).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,22 +53,53 @@ from nobubble.runtime.distributed.tree_transport import (
 from nobubble.runtime.distributed.waits import Handle
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """What a rank's runner reads of its pipeline: what was fixed when it was built, and live
+    views of what changes as it runs (the batches fed, the drain points, the step count)."""
+
+    rank: int  # the pipeline rank (pp coordinate)
+    num_stages: int
+    mesh: Any  # the (dp, pp) mesh of runtime/distributed/join.py
+    meets: bool  # the stages meet before each step (global clipping, tied gradients)
+    timeout: float
+    ties: list[Any]
+    all_reduces: bool  # a STEP waits for the dp all-reduce (replicated data parallelism)
+    data_parallel: int
+    bucket_mb: float
+    microbatches: int
+    record: bool  # every action's span
+    clock: Any  # the spans' clock (None: the host's)
+    strict_p2p: bool  # NCCL's completion rules on any backend
+    fed: Callable[[], int]  # batches fed so far
+    first_inputs: Callable[[], Any]  # the first stage's inputs of the first micro-batch held
+    drains: Callable[[], Sequence[int]]  # steps after which the pipeline drains
+    available: Callable[[Action], bool]  # whether an action's batch was fed
+    on_step: Callable[[Action], None]  # a local stage completed a STEP
+
+
 class RankRunner:
     """Runs this rank's actions of the pipeline's schedule (the emulator's face, one rank):
     ``workers`` are its stages, one, or several in interleaved and V placements."""
 
-    def __init__(self, pipe: Any, workers: Sequence[StageWorker], start_step: int = 0) -> None:
-        self.pipe, self.workers = pipe, list(workers)
+    def __init__(
+        self,
+        context: RankContext,
+        schedule: Schedule,
+        workers: Sequence[StageWorker],
+        start_step: int = 0,
+    ) -> None:
+        self.context, self.workers = context, list(workers)
         self.worker = self.workers[0]
-        self.rank, self.num_stages = pipe.rank, pipe.num_stages
-        self.schedule: Schedule = pipe.schedule
+        self.rank, self.num_stages = context.rank, context.num_stages
+        self.schedule: Schedule = schedule
         self.placement = self.schedule.placement
         self.by_stage = {w.stage: w for w in self.workers}
         self.pointer = [0] * self.placement.num_ranks
         if start_step:
             self.pointer[self.rank] = self._after_step(start_step)
         # the global rank of each pipeline rank of this replica
-        self.ranks: list[int] = pipe.mesh.pp_ranks
+        self.ranks: list[int] = context.mesh.pp_ranks
         self.transport: TreeTransport | None = None
         self.interpreter: Interpreter | None = None
         self.current: Action | None = None  # the action being run (failure messages name it)
@@ -82,17 +114,11 @@ class RankRunner:
     def _plan(self) -> list[Batch]:
         plans = check_communication(
             self.schedule,
-            self.pipe.meets,
-            self.pipe.drains,
-            data_parallel=self._all_reduces,
+            self.context.meets,
+            self.context.drains(),
+            data_parallel=self.context.all_reduces,
         )
         return plans[self.rank]
-
-    @property
-    def _all_reduces(self) -> bool:
-        """Whether a STEP waits for the dp all-reduce (replicated data parallelism; a sharded
-        stage reduce-scatters inside each backward instead, distributed/fsdp.py)."""
-        return self.pipe.data_parallel > 1 and self.pipe.sharding == "none"
 
     def set_schedule(self, schedule: Schedule) -> None:
         self.schedule = schedule
@@ -112,7 +138,7 @@ class RankRunner:
         handed: Any = None  # the previous local stage's output
         for stage, worker in sorted(self.by_stage.items()):
             if stage == 0:
-                inputs = worker._to_device(self.pipe.batches[min(self.pipe.batches)][0])
+                inputs = worker._to_device(self.context.first_inputs())
             elif not self._remote(stage - 1):
                 inputs = handed
             else:
@@ -134,10 +160,9 @@ class RankRunner:
                 out_specs[stage] = spec_of(handed)
                 dst = self.ranks[self.placement.rank_of(stage + 1)]
                 dist.send_object_list([out_specs[stage]], dst=dst, group=self.objects)
-        # nobubble train's runtime sets these before the first step: spans recorded on its
-        # clock, and NCCL's completion rules on any backend (--strict-p2p)
-        options = self.pipe.runner_options
-        kind = TRANSPORTS[bool(options.get("strict")), self.staged]
+        # spans recorded on the caller's clock, NCCL's completion rules on any backend
+        context = self.context
+        kind = TRANSPORTS[context.strict_p2p, self.staged]
         self.transport = kind(
             self._plan(),
             in_specs,
@@ -145,24 +170,25 @@ class RankRunner:
             self.worker.device,
             self.num_stages,
             self.pointer[self.rank],
-            self.pipe.timeout,
-            self.pipe.ties,
+            context.timeout,
+            context.ties,
             self.placement,
         )
-        m = self.pipe.microbatches
+        m = context.microbatches
         # a receive goes early only for a micro-batch fed (its message is in every replan)
-        self.transport.fed = lambda message: message.number // m < self.pipe.fed
-        mesh, dp = self.pipe.mesh, self.pipe.data_parallel
-        # data parallelism runs one stage per rank (Pipeline refuses more)
-        reducer = GradReducer(self.worker, dp, self.pipe.bucket_mb) if self._all_reduces else None
+        self.transport.fed = lambda message: message.number // m < context.fed()
+        mesh, dp = context.mesh, context.data_parallel
+        # data parallelism runs one stage per rank (Pipeline refuses more); a sharded stage
+        # reduce-scatters inside each backward instead (distributed/fsdp.py)
+        reducer = GradReducer(self.worker, dp, context.bucket_mb) if context.all_reduces else None
         self.transport.use_mesh(self.ranks, mesh.pp_group, reducer, mesh.dp_group)
-        clock = {"clock": options["clock"]} if "clock" in options else {}
+        clock = {"clock": context.clock} if context.clock is not None else {}
         self.interpreter = Interpreter(
             self.workers,
             self.transport,
             self.num_stages,
-            self.pipe.meets,
-            record=bool(options.get("record")),
+            context.meets,
+            record=context.record,
             **clock,
         )
 
@@ -208,7 +234,7 @@ class RankRunner:
         holder = self.placement.rank_of(self.num_stages - 1)
         device = torch.device("cpu") if self.staged else self.worker.device
         box = torch.tensor([0 if value is None else value], dtype=torch.long, device=device)
-        dist.broadcast(box, src=self.ranks[holder], group=self.pipe.mesh.pp_group)
+        dist.broadcast(box, src=self.ranks[holder], group=self.context.mesh.pp_group)
         return int(box.item())
 
     def _send_evaluation(self, out: Any, i: int, stage: int) -> None:
@@ -231,7 +257,7 @@ class RankRunner:
         works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
         handle = Handle(works, not self.staged and self.worker.device.type == "cuda")
         handle.arrivals += arrivals
-        handle.wait(self.pipe.timeout, what)
+        handle.wait(self.context.timeout, what)
 
     # ----- running --------------------------------------------------------------------------------
     def _execute(self, action: Action) -> None:
@@ -239,13 +265,13 @@ class RankRunner:
         self.current = action
         self.interpreter.execute(action)
         if action.kind == STEP:
-            self.pipe._on_step(action)
+            self.context.on_step(action)
 
     def advance(self) -> None:
         if self.transport is None:
             self._agree()
         order, i = self.schedule.ranks[self.rank], self.pointer[self.rank]
-        while i < len(order) and self.pipe._available(order[i]):
+        while i < len(order) and self.context.available(order[i]):
             self._execute(order[i])
             i += 1
             self.pointer[self.rank] = i
@@ -265,4 +291,4 @@ class RankRunner:
 
 
 # what Pipeline(runtime="dist") reaches through this module (nobubble.api.steps.dist_runner)
-__all__ = ["RankRunner", "close", "gather_records", "gather_state", "join"]
+__all__ = ["RankContext", "RankRunner", "close", "gather_records", "gather_state", "join"]

@@ -1,0 +1,156 @@
+"""The public surface, frozen: the flags of every command and the keywords of ``Pipeline``.
+
+A new option is a deliberate edit of the lists below. One name per concept: a keyword of the
+pipeline that a training run sets is a ``nobubble train`` flag (and config key) of the same name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from nobubble.api.config import ALIASES, PipelineConfig
+from nobubble.app.train.config import TrainConfig
+from nobubble.app.train.flags import build_train_parser
+from nobubble.cli import build_parser
+
+TRAIN_FLAGS = """
+--accum --backend --bucket-mb --checkpoint-every --clip --clip-scope --config --correction
+--data --data-parallel --delay-lr-steps --device --dist-timeout --dtype --ef-lambda
+--eval-batches --eval-every --fused-adamw --fused-grad-accumulation --help --json --lr
+--master-port --micro-batch-size --microbatches --min-lr-ratio --model --momentum --no-progress
+--optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule --seed
+--seq-len --shard --stages --steps --stop-at --strict-p2p --sync-warmup --threads --tokenizer
+--untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
+"""
+
+COMMAND_FLAGS = {
+    "schedules": "--help --json",
+    "show": "--accum --columns --drain-every --format --from-json --help --microbatches "
+    "--schedule --stages --steps --virtual-stages",
+    "ledger": "--accum --drain-every --from-json --help --json --microbatches --schedule "
+    "--stages --steps --summary-only --virtual-stages",
+    "simulate": "--accum --activation-bytes --allreduce --bandwidth --bwd --drain-every "
+    "--from-json --fwd --help --json --latency --microbatches --plot --schedule --stages "
+    "--step-cost --steps --trace --virtual-stages --wgrad",
+    "bench sim": "--accum --help --json --microbatches --schedule --stages --steps",
+    "bench emulator": "--help --json --micro-batch-size --microbatches --model --rounds "
+    "--schedule --seq-len --stages --steps --threads",
+    "bench runtime": "--allocator --data-parallel --grad-mb --help --json --micro-batch-size "
+    "--microbatches --model --optimizer --rounds --schedule --seq-len --stages --steps "
+    "--synthetic --threads --virtual-stages --vocab-size",
+    "bench time-to-target": "--equal-budget --eval-every --help --json --out --rounds --seeds "
+    "--steps --train --variants",
+    "bench memory": "--allocator --data --fused-adamw --fused-grad-accumulation --help --hidden "
+    "--intermediate --json --layers --micro-batch-size --microbatches --schedule --seq-len "
+    "--stages --steps --vocab-size --where",
+    "train": "",  # its flags are TRAIN_FLAGS, parsed once the command is chosen
+    "study": "--bench --help --json --micro-batch-size --microbatches --model --optimizer --out "
+    "--runs --steps --vocab-size",
+    "demo": "--help --json --out --rounds --steps",
+    "experiment": "--depths --help --jobs --json --optimizers --out --quick --regime "
+    "--report-to --seeds",
+    "export": "--help --hf",
+}
+
+PIPELINE_KEYWORDS = """
+accum backend bucket_mb clip clip_scope correction data_parallel delay_lr_steps device
+dist_timeout dtype ef_lambda fused_grad_accumulation init lr lr_schedule microbatches optimizer
+optimizer_options paci_recompute runtime schedule seed shard steps sync_warmup virtual_stages
+weights
+"""
+# keywords of the Python API alone: callables, mappings and the meta device's values, which a
+# command line does not give (the training recipe derives lr from --lr and its schedule)
+API_ONLY = {"init", "lr_schedule", "optimizer_options", "weights"}
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--"))
+
+
+def _commands(prefix: str, parser: argparse.ArgumentParser) -> dict[str, str]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return {prefix: " ".join(_flags(parser))}
+    found: dict[str, str] = {}
+    for name, child in subs[0].choices.items():
+        found.update(_commands(f"{prefix} {name}".strip(), child))
+    return found
+
+
+def test_the_flags_of_nobubble_train_are_the_frozen_list():
+    assert _flags(build_train_parser()) == TRAIN_FLAGS.split()
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_FLAGS))
+def test_the_flags_of_every_command_are_the_frozen_list(command):
+    assert _commands("", build_parser())[command] == COMMAND_FLAGS[command]
+
+
+def test_no_command_is_missing_from_the_frozen_list():
+    assert sorted(_commands("", build_parser())) == sorted(COMMAND_FLAGS)
+
+
+def test_the_pipeline_keywords_are_the_frozen_list():
+    assert sorted(PipelineConfig.keywords()) == PIPELINE_KEYWORDS.split()
+
+
+def test_a_pipeline_keyword_a_run_sets_has_the_flags_name():
+    """One name per concept: the keyword, the config key and the flag (``--ef-lambda`` is
+    ``ef_lambda``); no renaming on the way from the command line to the pipeline."""
+    train_fields = {f.name for f in fields(TrainConfig)}
+    flags = set(TRAIN_FLAGS.split())
+    for keyword in set(PipelineConfig.keywords()) - API_ONLY:
+        assert keyword in train_fields, keyword
+        assert "--" + keyword.replace("_", "-") in flags, keyword
+
+
+def test_former_keywords_are_accepted_as_the_one_name():
+    config = PipelineConfig.build(schedule="paci", recompute=True, timeout=5.0)
+    assert config.compute.paci_recompute and config.runtime.dist_timeout == 5.0
+    assert set(ALIASES.values()) <= set(PipelineConfig.keywords())
+    with pytest.raises(TypeError, match="unknown keyword 'recompte'; valid keywords: accum"):
+        PipelineConfig.build(recompte=True)
+
+
+REFUSALS = [  # the same options, refused by the command line's config and by Pipeline
+    {"schedule": "1f1b", "correction": "ef"},
+    {"schedule": "paci", "clip": 1.0, "clip_scope": "global"},
+    {"schedule": "paci", "correction": "ef", "delay_lr_steps": 10},
+    {"schedule": "1f1b", "paci_recompute": True},
+    {"schedule": "zb-h1", "fused_grad_accumulation": True},
+    {"schedule": "1f1b", "accum": 2},
+    {"schedule": "2bw", "microbatches": 1},
+    {
+        "schedule": "paci",
+        "runtime": "dist",
+        "data_parallel": 2,
+        "shard": "fsdp",
+        "optimizer": "soap",
+    },
+    {
+        "schedule": "paci",
+        "runtime": "dist",
+        "data_parallel": 2,
+        "shard": "fsdp",
+        "correction": "predict",
+    },
+]
+
+
+@pytest.mark.parametrize("options", REFUSALS, ids=lambda o: "-".join(map(str, o.values())))
+def test_a_refusal_reads_the_same_from_the_command_line_and_from_python(options):
+    """Each rule is written once (a registry entry or a spec): TrainConfig and Pipeline raise
+    the same text for the same options."""
+    from torch import nn
+
+    import nobubble
+
+    with pytest.raises(ValueError) as from_cli:
+        TrainConfig(stages=3, **options)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    with pytest.raises(ValueError) as from_api:
+        nobubble.Pipeline(list(model), nn.functional.mse_loss, **options)
+    assert str(from_cli.value) in str(from_api.value)
