@@ -14,13 +14,6 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "nobubble"
 MAX_LINES = 80
 
-# Being split by other work on issue 43 (the configuration refactor): remove each entry when its
-# split lands; the last test fails once an entry is gone or short, so the list cannot go stale.
-BEING_SPLIT = {
-    "api/pipeline.py Pipeline.__init__",
-    "app/train/config.py TrainConfig._check_combinations",
-}
-
 
 def function_lengths(root: Path) -> dict[str, int]:
     """``"path Qualified.name"`` -> lines, for every function and method under ``root``."""
@@ -45,19 +38,8 @@ def function_lengths(root: Path) -> dict[str, int]:
 
 
 def test_no_function_is_over_80_lines():
-    long = {
-        name: n
-        for name, n in function_lengths(SRC).items()
-        if n > MAX_LINES and name not in BEING_SPLIT
-    }
+    long = {name: n for name, n in function_lengths(SRC).items() if n > MAX_LINES}
     assert not long, f"split these functions by responsibility (over {MAX_LINES} lines): {long}"
-
-
-def test_the_allowlist_names_only_long_functions():
-    """An entry whose function was split or renamed is removed from BEING_SPLIT."""
-    lengths = function_lengths(SRC)
-    stale = {name: lengths.get(name) for name in BEING_SPLIT if lengths.get(name, 0) <= MAX_LINES}
-    assert not stale, f"remove these from BEING_SPLIT (gone: None, else their length): {stale}"
 
 
 def test_the_count_sees_methods_nested_functions_and_not_decorators(tmp_path):

@@ -28,12 +28,12 @@ TRAIN_FLAGS = """
 
 COMMAND_FLAGS = {
     "schedules": "--help --json",
-    "show": "--accum --columns --drain-every --format --from-json --help --microbatches "
-    "--schedule --stages --steps --virtual-stages",
-    "ledger": "--accum --drain-every --from-json --help --json --microbatches --schedule "
-    "--stages --steps --summary-only --virtual-stages",
+    "show": "--accum --columns --drain-every --format --from-json --from-torch-csv --help "
+    "--microbatches --schedule --stages --steps --virtual-stages",
+    "ledger": "--accum --drain-every --from-json --from-torch-csv --help --json --microbatches "
+    "--schedule --stages --steps --summary-only --virtual-stages",
     "simulate": "--accum --activation-bytes --allreduce --bandwidth --bwd --drain-every "
-    "--from-json --fwd --help --json --latency --microbatches --plot --schedule --stages "
+    "--from-json --from-torch-csv --fwd --help --json --latency --microbatches --plot --schedule --stages "
     "--step-cost --steps --trace --virtual-stages --wgrad",
     "bench sim": "--accum --help --json --microbatches --schedule --stages --steps",
     "bench emulator": "--help --json --micro-batch-size --microbatches --model --rounds "
@@ -41,8 +41,9 @@ COMMAND_FLAGS = {
     "bench runtime": "--allocator --data-parallel --grad-mb --help --json --micro-batch-size "
     "--microbatches --model --optimizer --rounds --schedule --seq-len --stages --steps "
     "--synthetic --threads --virtual-stages --vocab-size",
-    "bench time-to-target": "--equal-budget --eval-every --help --json --out --rounds --seeds "
-    "--steps --train --variants",
+    "bench time-to-target": "--check-projection --equal-budget --eval-every --help --json --out "
+    "--projection-from --rounds --seeds --steps --sync --train --transfers --tune --tune-factor "
+    "--tune-points --tune-seeds --variants",
     "bench memory": "--allocator --data --fused-adamw --fused-grad-accumulation --help --hidden "
     "--intermediate --json --layers --micro-batch-size --microbatches --schedule --seq-len "
     "--stages --steps --vocab-size --where",

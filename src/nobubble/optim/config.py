@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nobubble.optim import library
+import nobubble.optim.library as library
 from nobubble.optim.registry import OPTIMIZER_ENTRIES, optimizer_entry
 
 # torch's and the ones written here first (registry.py), then pytorch-optimizer's (library.py)
