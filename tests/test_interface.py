@@ -51,7 +51,7 @@ COMMAND_FLAGS = {
     "study": "--bench --help --json --micro-batch-size --microbatches --model --optimizer --out "
     "--runs --steps --vocab-size",
     "demo": "--help --json --out --rounds --steps",
-    "experiment": "--depths --help --jobs --json --optimizers --out --quick --regime "
+    "experiment": "--depths --dry-run --help --jobs --json --optimizers --out --quick --regime "
     "--report-to --seeds",
     "export": "--help --hf",
 }
