@@ -70,7 +70,8 @@ def test_fused_adamw_steps_as_torchs_fused_adamw_written_out(schedule):
 
 def test_fused_adamw_is_refused_for_an_optimizer_without_adamw():
     refuses(
-        r"fused_adamw=True does not apply to optimizer 'lion'.*'adamw', 'muon', 'normuon'",
+        r"fused_adamw=True does not apply to optimizer 'lion'.*"
+        r"'adamw', 'muon', 'rotation', 'normuon'",
         lambda: nobubble.Pipeline(
             nobubble.split(make_model(), 2),
             loss_fn,

@@ -33,8 +33,8 @@ COMMAND_FLAGS = {
     "ledger": "--accum --drain-every --from-json --from-torch-csv --help --json --microbatches "
     "--schedule --stages --steps --summary-only --virtual-stages",
     "simulate": "--accum --activation-bytes --allreduce --bandwidth --bwd --drain-every "
-    "--from-json --from-torch-csv --fwd --help --json --latency --microbatches --plot --schedule --stages "
-    "--step-cost --steps --trace --virtual-stages --wgrad",
+    "--from-json --from-torch-csv --fwd --help --json --latency --microbatches --plot --schedule "
+    "--stages --step-cost --steps --trace --virtual-stages --wgrad",
     "bench sim": "--accum --help --json --microbatches --schedule --stages --steps",
     "bench emulator": "--help --json --micro-batch-size --microbatches --model --rounds "
     "--schedule --seq-len --stages --steps --threads",
@@ -51,7 +51,7 @@ COMMAND_FLAGS = {
     "study": "--bench --help --json --micro-batch-size --microbatches --model --optimizer --out "
     "--runs --steps --vocab-size",
     "demo": "--help --json --out --rounds --steps",
-    "experiment": "--depths --help --jobs --json --optimizers --out --quick --regime "
+    "experiment": "--depths --dry-run --help --jobs --json --optimizers --out --quick --regime "
     "--report-to --seeds",
     "export": "--help --hf",
 }
@@ -130,6 +130,13 @@ REFUSALS = [  # the same options, refused by the command line's config and by Pi
         "data_parallel": 2,
         "shard": "fsdp",
         "optimizer": "soap",
+    },
+    {
+        "schedule": "paci",
+        "runtime": "dist",
+        "data_parallel": 2,
+        "shard": "fsdp",
+        "optimizer": "rotation",
     },
     {
         "schedule": "paci",

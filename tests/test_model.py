@@ -398,6 +398,7 @@ def test_no_rotary_state_in_state_dict() -> None:
     [
         ("tiny", 0.5e6, 1.5e6),
         ("tiny-deep", 1e6, 1.5e6),
+        ("tiny-deep16", 1.5e6, 2.5e6),
         ("mini", 3e6, 4e6),
         ("small", 5e6, 10e6),
         ("medium", 30e6, 50e6),
@@ -415,6 +416,7 @@ def test_preset_parameter_counts_on_meta_device(name, low, high) -> None:
     assert set(MODEL_PRESETS) == {
         "tiny",
         "tiny-deep",
+        "tiny-deep16",
         "mini",
         "small",
         "medium",

@@ -33,6 +33,9 @@ class TorchOptimizer:
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * factor
 
+    def on_delay(self, delay: float, stages: int) -> None:
+        """A user's optimizer is used as returned: the stage's delay is not given to it."""
+
     def step(self) -> None:
         self.optimizer.step()
 

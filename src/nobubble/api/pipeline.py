@@ -218,7 +218,8 @@ class Pipeline(PipelineState, Evaluation):
         if matrix and not any(r and r.muon for r in routed):
             raise ValueError(
                 f"optimizer={optimizer!r} found no 2-D hidden matrix in any stage (embeddings and "
-                "output heads go to AdamW): Muon would update nothing; use optimizer='adamw'"
+                "output heads go to AdamW): its matrix update would touch nothing; use "
+                "optimizer='adamw'"
             )
 
 

@@ -12,6 +12,7 @@ EXPERIMENT_NAMES = (
     "paci",
     "lr-gap",
     "corrections",
+    "depth-verdict",
     "report",
 )
 
@@ -51,9 +52,13 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         depths=args.depths,
         regime=args.regime,
         optimizers=args.optimizers,
+        dry_run=args.dry_run,
     )
     if args.json:
         print(json.dumps(summary, default=str))
+        return 0
+    if summary.get("dry_run"):
+        print(format_dry_run(summary))
         return 0
     if args.name == "report":
         print(f"wrote {summary['report']}")
@@ -66,6 +71,19 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     print((folder / "table.md").read_text())
     print(f"figures and summary.json in {folder}")
     return 0
+
+
+def format_dry_run(listing: dict) -> str:
+    """How many runs, and their estimated CPU time one at a time (``--jobs`` runs divide it)."""
+    runs = listing["runs"]
+    head = (
+        f"{listing['experiment']} ({listing['profile']}): {len(runs)} runs, "
+        f"{listing['sweep_runs']} of them the learning-rate sweep"
+    )
+    seconds = listing["cpu_seconds"]
+    if seconds is None:
+        return head + "; no time estimate for this grid"
+    return head + f"; estimated {seconds / 3600:.1f} h of training, one run at a time"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -170,7 +188,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_depths,
         default=None,
         metavar="P,P,...",
-        help="depth: pipeline depths to run (default 2,4,8; --quick 2,4)",
+        help="depth, depth-verdict: pipeline depths to run (default 2,4,8 and 2,4,8,16; "
+        "--quick 2,4 and 2)",
     )
     p.add_argument(
         "--optimizers",
@@ -182,10 +201,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--regime",
-        choices=("short", "long"),
+        choices=("short", "long", "depth"),
         default="short",
         help="long: ~20 tokens per parameter (issue 12 item 7), for error-feedback and paci; "
-        "its summaries go beside the short regime's (NAME-long) and share its runs",
+        "its summaries go beside the short regime's (NAME-long) and share its runs; "
+        "depth: depth-verdict's P = 2..16 on tiny-deep16 (issue 44)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the runs (the lr sweep's included) and their estimated training time; "
+        "run nothing",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(

@@ -165,6 +165,7 @@ class WorkerStep:
         if self.clip_norm is not None:
             scale_grads_(params, clip_coefficient(norm, self.clip_norm))
         delay = self.batch_delay(step)
+        self.optimizer.on_delay(delay, self.num_stages)  # an optimizer that reads it (nadam-delay)
         factor = self.correction.lr_factor(step - 1, delay)
         if self.lr_fn is not None:
             self.optimizer.set_lr(self.lr_fn(step - 1) * factor)

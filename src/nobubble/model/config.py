@@ -120,6 +120,9 @@ MODEL_PRESETS: Mapping[str, ModelShape] = MappingProxyType(
         # mean the hidden matrices, not the AdamW-stepped embedding and head. 8 layers split
         # evenly over P = 1, 2, 4, 8.
         "tiny-deep": ModelShape(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, hidden_dim=192),
+        # tiny's blocks, 16 of them: 0.85M at vocab 512, one block per stage at P = 16 (the
+        # depth-verdict experiment, P = 2, 4, 8, 16, on a CPU)
+        "tiny-deep16": ModelShape(dim=64, n_layers=16, n_heads=4, n_kv_heads=2, hidden_dim=192),
     }
 )
 

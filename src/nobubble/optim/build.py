@@ -42,6 +42,15 @@ class StageOptimizer:
         self.routing = routing
         self.parts = parts
 
+    def on_delay(self, delay: float, stages: int) -> None:
+        """Give the stage's delay (the ledger's, as the correction receives it) and the
+        pipeline's number of stages to an optimizer that reads them (the registry entry's
+        ``on_delay``) before the next step; the others ignore it."""
+        hook = optimizer_entry(self.cfg.name).on_delay
+        if hook is not None:
+            for opt in self.parts.values():
+                hook(opt, delay, stages)
+
     def step(self) -> None:
         for opt in self.parts.values():
             opt.step()

@@ -39,14 +39,17 @@ class OptimConfig:
     Fields:
         name: one of OPTIMIZERS. "muon" runs torch.optim.Muon on the 2-D hidden matrices and AdamW
             on everything else (see `route_parameters`); "normuon" does the same with NorMuon.
-            soap, adan, mars and normuon come from pytorch-optimizer (library.py), which must
-            be installed (`pip install 'nobubble[optim]'`).
+            "rotation" does the same with basis rotation (rotation.py); "nadam-delay" is NAdam
+            whose beta1 follows the stage's delay (lookahead.py). soap, adan, mars, normuon and
+            adamuon come from pytorch-optimizer (library.py), which must be installed
+            (`pip install 'nobubble[optim]'`).
         lr: peak learning rate of the schedule. For "muon" it is the AdamW-side lr, and Muon uses
             the same value with its update RMS matched to AdamW (`adjust_lr_fn="match_rms_adamw"`,
             i.e. the Muon lr is scaled by 0.2 * sqrt(max(rows, cols))), so one lr serves both.
         weight_decay: decoupled weight decay, applied to 2-D tensors only (norm weights get 0).
         betas: (beta1, beta2) of AdamW / NAdam / Lion; None picks the registry entry's pair,
-            (0.9, 0.95) for the Adam family and (0.9, 0.99) for Lion.
+            (0.9, 0.95) for the Adam family, (0.9, 0.99) for Lion, (0.99, 0.999) for
+            nadam-delay and (0.9, 0.999) for rotation (their papers' code).
         eps: denominator epsilon of AdamW / NAdam (Muon keeps torch's own 1e-7 for Newton-Schulz).
         momentum, nesterov, ns_steps: Muon's momentum, Nesterov flag and Newton-Schulz steps.
         warmup_frac: fraction of the run spent in linear warmup, in [0, 1).

@@ -49,6 +49,14 @@ def _number(name: str, value: Any) -> float:
     return float(value)
 
 
+def _check_stages(stages: Any) -> None:
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(
+            f"DelayNAdam stages={stages!r} is not allowed: use the pipeline's number of "
+            "stages P (an int >= 1)"
+        )
+
+
 class DelayNAdam(torch.optim.NAdam):
     """NAdam with decoupled weight decay whose beta1 follows the stage's delay (module docstring).
 
@@ -71,11 +79,7 @@ class DelayNAdam(torch.optim.NAdam):
         stages: int = 1,
         max_beta1: float = MAX_BETA1,
     ) -> None:
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-            raise ValueError(
-                f"DelayNAdam stages={stages!r} is not allowed: use the pipeline's number of "
-                "stages P (an int >= 1)"
-            )
+        _check_stages(stages)
         max_beta1 = _number("max_beta1", max_beta1)
         if not 0.0 <= max_beta1 < 1.0:
             raise ValueError(
@@ -109,8 +113,14 @@ class DelayNAdam(torch.optim.NAdam):
             group.update(base_beta1=beta1, max_beta1=max_beta1, stages=stages)
         self.set_delay(delay)
 
-    def set_delay(self, delay: float) -> None:
-        """Set the stage's delay tau (0 <= tau <= stages) for the next steps."""
+    def set_delay(self, delay: float, stages: int | None = None) -> None:
+        """Set the stage's delay tau (0 <= tau <= stages) for the next steps; ``stages``: the
+        pipeline's P, where it was not known when the optimizer was built (the registry's
+        ``nadam-delay`` learns it from the worker with the first delay)."""
+        if stages is not None:
+            _check_stages(stages)
+            for group in self.param_groups:
+                group["stages"] = stages
         stages = self.param_groups[0]["stages"]
         tau = _number("delay", delay)
         if not 0.0 <= tau <= stages:

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
+import nobubble.optim.lookahead as lookahead
+import nobubble.optim.rotation as rotation
 from nobubble.optim.lion import Lion
 
 
@@ -36,6 +38,8 @@ class OptimSettings(Protocol):
 
 Groups = list[dict[str, Any]]
 Builder = Callable[[Any, Groups], torch.optim.Optimizer]
+# (one of the stage's torch optimizers, the stage's delay, the pipeline's number of stages)
+DelayHook = Callable[[torch.optim.Optimizer, float, int], None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class OptimizerEntry:
         the whole tensor; Muon's Newton-Schulz runs on the gathered matrix).
     fused_adamw: runs torch's AdamW (alone, or beside the matrices), which ``fused_adamw`` fuses.
     library: comes from pytorch-optimizer (the ``optim`` extra).
+    on_delay: reads the stage's delay: called on each of the stage's torch optimizers before
+        every step with the delay the correction receives (the ledger's, engine/worker_step.py)
+        and the pipeline's number of stages; None: the optimizer ignores the delay.
     """
 
     name: str
@@ -61,6 +68,7 @@ class OptimizerEntry:
     sharded: bool = False
     fused_adamw: bool = False
     library: bool = False
+    on_delay: DelayHook | None = None
 
     def check_shard(self, shard: str) -> None:
         if shard == "fsdp" and not self.sharded:
@@ -129,6 +137,47 @@ for _entry in (
     OptimizerEntry("nadam", "NAdam, decoupled weight decay", _nadam, sharded=True),
     # Lion's own paper (arXiv 2302.06675) recommends (0.9, 0.99)
     OptimizerEntry("lion", "Lion (sign update)", _lion, betas=(0.9, 0.99), sharded=True),
+):
+    register_optimizer(_entry)
+
+
+def _delay_nadam(cfg: OptimSettings, groups: Groups) -> torch.optim.Optimizer:
+    # built for one stage at delay 0; the worker gives it P and each step's delay (on_delay)
+    return lookahead.build_delay_nadam(groups, lr=cfg.lr, betas=cfg.resolved_betas, eps=cfg.eps)
+
+
+def _set_delay(opt: torch.optim.Optimizer, delay: float, stages: int) -> None:
+    assert isinstance(opt, lookahead.DelayNAdam), "nadam-delay builds one DelayNAdam"
+    opt.set_delay(delay, stages)
+
+
+def _rotation(cfg: OptimSettings, groups: Groups) -> torch.optim.Optimizer:
+    return rotation.build_basis_rotation(groups, lr=cfg.lr, betas=cfg.resolved_betas, eps=cfg.eps)
+
+
+for _entry in (
+    # arXiv 2505.01099's published runs use beta1 = 0.99, where the delay changes nothing; give
+    # a smaller beta1 (betas=(0.9, 0.999)) for the delay to move it
+    OptimizerEntry(
+        "nadam-delay",
+        "NAdam whose beta1 rises toward 0.99 with each stage's delay from the ledger (the "
+        "delay-aware Nesterov look-ahead of arXiv 2505.01099)",
+        _delay_nadam,
+        betas=lookahead.DEFAULT_BETAS,
+        sharded=True,
+        on_delay=_set_delay,
+    ),
+    # the paper's rotated set is the hidden matrices; the rest goes to AdamW with the same
+    # betas, as Muon's routing gives it
+    OptimizerEntry(
+        "rotation",
+        "Adam in the gradients' eigenbasis on the 2-D hidden matrices (basis rotation, arXiv "
+        "2602.03515), AdamW on the rest",
+        adamw,
+        betas=rotation.DEFAULT_BETAS,
+        matrix=_rotation,
+        fused_adamw=True,
+    ),
 ):
     register_optimizer(_entry)
 

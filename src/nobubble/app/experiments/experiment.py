@@ -9,7 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nobubble.app.experiments import analysis, depth_analysis, gap_analysis, grids, paci_analysis
+from nobubble.app.experiments import (
+    analysis,
+    depth_analysis,
+    depth_verdict_analysis,
+    gap_analysis,
+    grids,
+    grids_depth,
+    paci_analysis,
+)
 from nobubble.app.experiments.runner import RunOutcome, RunSpec, run_grid
 from nobubble.app.experiments.stats import MIN_SEEDS
 from nobubble.optim.library import check_installed
@@ -23,6 +31,7 @@ EXPERIMENTS = (
     "paci",
     "lr-gap",
     "corrections",
+    "depth-verdict",
     "report",
 )
 GRIDS = {
@@ -32,6 +41,7 @@ GRIDS = {
     "paci": grids.paci,
     "lr-gap": grids.lr_gap,
     "corrections": grids.corrections,
+    "depth-verdict": grids_depth.depth_verdict,
 }
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "delay-vs-optimizer": analysis.delay_table,
@@ -40,7 +50,10 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "paci": paci_analysis.paci_table,
     "lr-gap": gap_analysis.gap_table,
     "corrections": gap_analysis.gap_table,
+    "depth-verdict": depth_verdict_analysis.depth_verdict_table,
 }
+# a run's estimated training seconds, for --dry-run (a grid without one lists its runs only)
+ESTIMATES = {"depth-verdict": grids_depth.depth_verdict_seconds}
 
 
 def default_root(quick: bool) -> Path:
@@ -50,7 +63,10 @@ def default_root(quick: bool) -> Path:
 def summary_folder(name: str, profile: grids.Profile) -> str:
     """Where an experiment's summary goes under the root: the longer regime's beside the short
     one's (``error-feedback-long``); both regimes share the root's runs folder (keys differ)."""
-    return f"{name}-long" if profile.name.endswith("long") else name
+    for regime in ("long", "depth"):  # the depth regime's sweep is its own too
+        if profile.name.endswith(regime):
+            return f"{name}-{regime}"
+    return name
 
 
 def tuned_lrs(profile: grids.Profile, root: Path, jobs: int, progress: bool) -> dict[str, float]:
@@ -90,17 +106,20 @@ def run_experiment(
     depths: tuple[int, ...] | None = None,
     regime: str = "short",
     optimizers: tuple[str, ...] | None = None,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
     """Run experiment ``name``'s grid under ``out`` (tuning the learning rates first, reusing
     finished runs) and write its summary, or for ``report`` write ``report_to`` from the
-    summaries there; every argument is checked before any run."""
+    summaries there; every argument is checked before any run. ``dry_run``: list the runs
+    (the sweep's included) and their estimated training time, and run nothing."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
     profile = grids.profile_for(regime, quick)
     if name != "report" and name not in profile.experiments:
+        owners = [r for r, p in grids.PROFILES.items() if name in p[False].experiments]
         raise ValueError(
             f"--regime {regime} defines {', '.join(profile.experiments)}, not {name}: "
-            "run it without --regime"
+            f"run it with --regime {owners[0]}"
         )
     if seeds is not None and seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
@@ -113,6 +132,8 @@ def run_experiment(
         return write_report(root, Path(report_to))
     profile, sweep_profile, seeds = _narrowed(name, profile, quick, seeds, depths, optimizers)
     left_out = _left_out(name, profile, sweep_profile, seeds, optimizers)
+    if dry_run:
+        return dry_run_listing(name, profile, sweep_profile, seeds)
     lrs = tuned_lrs(sweep_profile, root, jobs, progress)
     exp_dir = root / summary_folder(name, profile)
     exp_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +148,7 @@ def run_experiment(
         lrs=lrs,
         base=profile.base,
         runs=len(outcomes),
-        depths=list(profile.depths) if name == "depth" else None,
+        depths=list(profile.depths) if name in ("depth", "depth-verdict") else None,
         optimizers_run=list(profile.optimizers),
         left_out=left_out,
         params=_params(outcomes),
@@ -169,7 +190,7 @@ def _narrowed(
             name,
         )
     if depths is not None:
-        if name != "depth":
+        if name not in ("depth", "depth-verdict"):
             raise ValueError(f"--depths is an option of the depth experiment, not of {name}")
         profile = dataclasses.replace(profile, depths=depths)
         sweep_profile = dataclasses.replace(sweep_profile, depths=depths)
@@ -202,6 +223,28 @@ def _left_out(
     return left_out
 
 
+def dry_run_listing(
+    name: str, profile: grids.Profile, sweep_profile: grids.Profile, seeds: int
+) -> dict[str, Any]:
+    """The runs experiment ``name`` would start (the sweep's first; a run two lists share once)
+    and, where the grid has an estimate (``ESTIMATES``), their training seconds, one at a time.
+    Learning rates are placeholders (each grid's first value): they change no run's cost."""
+    placeholder = {o: sweep_profile.lr_grid[o][0] for o in sweep_profile.optimizers}
+    specs = grids.lr_sweep(sweep_profile) + GRIDS[name](profile, placeholder, seeds)
+    unique = list({s.name: s for s in specs}.values())
+    estimate = ESTIMATES.get(name)
+    seconds = [estimate(s.overrides, profile.base) if estimate else None for s in unique]
+    return {
+        "experiment": name,
+        "profile": profile.name,
+        "dry_run": True,
+        "runs": [s.name for s in unique],
+        "sweep_runs": len(grids.lr_sweep(sweep_profile)),
+        "run_seconds": seconds,
+        "cpu_seconds": sum(s for s in seconds if s is not None) if estimate else None,
+    }
+
+
 def _optimizers_of(specs: list[RunSpec]) -> set[str]:
     return {str(s.labels.get("optimizer")) for s in specs}
 
@@ -217,6 +260,8 @@ def summarize(
         return paci_analysis.analyze_paci(outcomes, out, profile.optimizers, lrs, profile.base)
     if name == "depth":
         return depth_analysis.analyze_depth(outcomes, out, profile.optimizers)
+    if name == "depth-verdict":
+        return depth_verdict_analysis.analyze_depth_verdict(outcomes, out, profile.optimizers)
     if name in ("lr-gap", "corrections"):
         fixes = grids.GAP_CORRECTIONS if name == "corrections" else ()
         return gap_analysis.analyze_gap(outcomes, out, profile.optimizers, lrs, fixes)

@@ -162,7 +162,59 @@ QUICK_LONG = Profile(
 )
 
 
-PROFILES = {"short": {False: FULL, True: QUICK}, "long": {False: LONG, True: QUICK_LONG}}
+# Issue 44's depth study (``depth-verdict``, grids_depth.py has its grid and pruning rule):
+# tiny-deep16, B = 32 sequences per step (here as the verdict's M = 8 micro-batches of 4),
+# validation on 32 sequences, no clipping; the sweep's five learning rates x2 apart per optimizer
+def _lrs(center: float) -> tuple[float, ...]:
+    """Five values x2 apart around ``center`` (issue 44 item 1: at least five, x1.5-2 apart)."""
+    return tuple(center * f for f in (0.25, 0.5, 1.0, 2.0, 4.0))
+
+
+DEPTH = Profile(
+    name="depth",
+    base={
+        **COMMON,
+        "model": "tiny-deep16",
+        "vocab_size": 512,
+        "seq_len": 128,
+        "micro_batch_size": 4,
+        "microbatches": 8,
+        "steps": 200,
+        "eval_every": 20,
+        "eval_batches": 8,
+        "clip": 0.0,
+    },
+    optimizers=("muon", "adamw", "rotation", "nadam-delay"),
+    lr_grid={
+        "muon": _lrs(1.2e-2),
+        "adamw": _lrs(3e-3),
+        "rotation": _lrs(3e-3),
+        "nadam-delay": _lrs(3e-3),
+    },
+    seeds=3,
+    depths=(2, 4, 8, 16),
+    experiments=("depth-verdict",),
+    side_studies=False,
+)
+
+# The smoke version: the same grid shapes at P = 2 only, 4 steps, seed 0.
+QUICK_DEPTH = Profile(
+    name="quick-depth",
+    base={**DEPTH.base, "steps": 4, "eval_every": 2},
+    optimizers=DEPTH.optimizers,
+    lr_grid={o: (grid[2],) for o, grid in DEPTH.lr_grid.items()},
+    seeds=1,
+    depths=(2,),
+    experiments=DEPTH.experiments,
+    side_studies=False,
+)
+
+
+PROFILES = {
+    "short": {False: FULL, True: QUICK},
+    "long": {False: LONG, True: QUICK_LONG},
+    "depth": {False: DEPTH, True: QUICK_DEPTH},
+}
 
 
 def on_grid_edge(best: float, grid: Sequence[float]) -> bool:
