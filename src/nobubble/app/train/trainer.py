@@ -28,8 +28,9 @@ from nobubble.app.train.checkpoint import (
     check_resumable,
     check_work_left,
     finalize,
-    load_part,
     read_manifest,
+    reshaped,
+    resume_pipeline,
     save_part,
     staging_dir,
 )
@@ -126,9 +127,9 @@ class Trainer:
         # every action's duration recorded, for the projected clock of `bench time-to-target`
         self.pipe = make_pipeline(self.plan, self.model.stages, Observer(record=True))
         self.workers = self.pipe.workers
+        self.reshape = manifest is not None and reshaped(manifest, cfg.fingerprint())
         if manifest is not None:
-            parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.model_stages)]
-            self.pipe.load_stage_parts(self.start_step, parts)
+            resume_pipeline(self.pipe, self.run_dir, manifest, self.reshape)
         self.step_losses: dict[int, list[float]] = {}
         self.result = RunResult(self.run_dir)
 
@@ -269,7 +270,7 @@ class Trainer:
                 "drain_points": self.plan.drain_points,
             },
         }
-        if not self.cfg.resume:
+        if not self.cfg.resume or self.reshape:  # the run's split is the resumed one's
             (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
 
     def _finish(self) -> None:
