@@ -95,9 +95,10 @@ class PipelineState(StepLoop):
         of stages or virtual stages), written at drain point ``step``: each parameter's
         weights, optimizer state and correction buffers move to the stage that holds it now,
         by name (api/restage.py). With runtime="dist", every rank passes every saved part."""
-        from nobubble.api.restage import restage
+        from nobubble.api.restage import check_versions, restage
 
         self.load_stage_parts(step, restage(parts, self.workers))
+        check_versions(self.workers)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state_dict()``'s dict; one saved at another number of stages moves

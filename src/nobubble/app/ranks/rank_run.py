@@ -19,6 +19,7 @@ from nobubble.app.ranks.rank_env import RankEnv, check_same_config
 from nobubble.app.train.assemble import load_data, make_model, make_pipeline, make_plan
 from nobubble.app.train.checkpoint import (
     check_resumable,
+    check_stream,
     check_work_left,
     finalize,
     read_manifest,
@@ -71,6 +72,8 @@ class RankRun:
         self.data = load_data(cfg)
         if self.rank == 0:
             self._barrier()
+        if manifest is not None:
+            check_stream(manifest, self.data.stream_id, self.run_dir)
         self.plan = make_plan(cfg, self.data.vocab_size)
         placement = self.plan.placement
         self.local = placement.stages_of(self.pp)  # one stage, or v (interleaved, V)
@@ -244,6 +247,7 @@ class RankRun:
                     {
                         "elapsed_s": self.records[-1]["elapsed_s"],
                         "train_s": self.records[-1]["train_s"],
+                        "data_stream": self.data.stream_id,
                     },
                 )
             self._barrier()

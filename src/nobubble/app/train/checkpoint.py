@@ -232,6 +232,19 @@ def resume_pipeline(
         pipe.load_stage_parts(step, [load_part(run_dir, manifest, s, device) for s in pipe.local])
 
 
+def check_stream(manifest: dict[str, Any], stream: str | None, where: Path) -> None:
+    """The documents are the checkpoint's: the same files, text column and tokenizer (the
+    data's ``stream_id``, its cache key), so the resumed run reads the tokens an uninterrupted
+    one would have."""
+    saved = manifest.get("data_stream")
+    if saved is not None and stream is not None and saved != stream:
+        raise CheckpointError(
+            f"the checkpoint in {str(where)!r} trained on the token stream {saved!r}, but --data "
+            f"now gives {stream!r}: its files, --text-column or tokenizer changed; resume with "
+            "the data it was written with, or start a new run with another --out"
+        )
+
+
 def check_work_left(step: int, end: int, run_dir: Path) -> None:
     """A resume must have steps left to run: name the checkpoint's step and the fix."""
     if step >= end:

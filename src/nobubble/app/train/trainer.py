@@ -26,6 +26,7 @@ from nobubble.app.train.assemble import load_data, make_model, make_pipeline, ma
 from nobubble.app.train.checkpoint import (
     check_fingerprint,
     check_resumable,
+    check_stream,
     check_work_left,
     finalize,
     read_manifest,
@@ -120,6 +121,8 @@ class Trainer:
             self.start_step = manifest["step"]
             check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
         self.data = load_data(cfg)
+        if manifest is not None:
+            check_stream(manifest, self.data.stream_id, self.run_dir)
         self.plan = make_plan(cfg, self.data.vocab_size)
         if self.start_step and self.start_step not in self.plan.drain_points:
             raise ValueError(f"checkpoint step {self.start_step} is not a drain point")
@@ -191,7 +194,11 @@ class Trainer:
             step,
             self.cfg.model_stages,
             self.cfg.fingerprint(),
-            {"elapsed_s": self.pending["elapsed_s"], "train_s": self.pending["train_s"]},
+            {
+                "elapsed_s": self.pending["elapsed_s"],
+                "train_s": self.pending["train_s"],
+                "data_stream": self.data.stream_id,
+            },
         )
 
     # ----- the loop ------------------------------------------------------------------------------
