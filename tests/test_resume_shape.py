@@ -17,6 +17,7 @@ from nobubble.app.train.config import TrainConfig
 from nobubble.app.train.metrics import read_metrics
 from nobubble.app.train.trainer import Trainer
 from nobubble.cli import main
+from nobubble.optim.registry import OPTIMIZER_ENTRIES
 
 
 def tiny(corpus: Path, out: Path, **overrides: object) -> TrainConfig:
@@ -129,3 +130,28 @@ def test_predicted_weights_and_a_users_torch_optimizer_do_not_move():
     deeper = nobubble.Pipeline(nobubble.split(make_model(), 4), F.mse_loss, optimizer=sgd)
     with pytest.raises(ValueError, match=r"user's torch optimizer .* keys by position"):
         deeper.load_state_dict(state)
+
+
+def _continued(pipe: nobubble.Pipeline, state: dict) -> dict[str, torch.Tensor]:
+    pipe.load_state_dict(state)
+    torch.manual_seed(1)
+    for _ in range(2):
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8))
+    pipe.drain()
+    return pipe.merged_state_dict()
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZER_ENTRIES))
+def test_every_registered_optimizers_state_moves_by_name(optimizer):
+    """Every optimizer of the registry (the library's SOAP with its per-matrix state
+    included): continuing at P=4 gives the weights continuing at P=2 gives."""
+    if OPTIMIZER_ENTRIES[optimizer].library:
+        pytest.importorskip("pytorch_optimizer")
+    kw = dict(schedule="1f1b", microbatches=4, optimizer=optimizer, clip=None)
+    state = trained("1f1b", 2, optimizer=optimizer, clip=None).state_dict()
+    same = nobubble.Pipeline(nobubble.split(make_model(), 2), F.mse_loss, **kw)
+    deeper = nobubble.Pipeline(nobubble.split(make_model(), 4), F.mse_loss, **kw)
+    expected, got = _continued(same, state), _continued(deeper, state)
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(tensor, got[name]), name
