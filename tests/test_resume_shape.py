@@ -155,3 +155,19 @@ def test_every_registered_optimizers_state_moves_by_name(optimizer):
     assert expected.keys() == got.keys()
     for name, tensor in expected.items():
         assert torch.equal(tensor, got[name]), name
+
+
+@pytest.mark.slow
+def test_the_multi_process_runtime_resumes_a_checkpoint_at_another_depth(corpus, tmp_path):
+    """Written by the emulator at P=4, resumed by two processes at P=2 (each rank reads every
+    saved part and keeps its own parameters' state): the uninterrupted run's numbers, bitwise."""
+    from _dist_helpers import run_train
+
+    kw = dict(schedule="1f1b", clip=0, threads=1)
+    Trainer(tiny(corpus, tmp_path / "full", stages=4, **kw)).run()
+    Trainer(tiny(corpus, tmp_path / "cut", stages=4, stop_at=2, **kw)).run()
+    done = run_train("--resume", str(tmp_path / "cut"), "--runtime", "dist", "--stages", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")  # grad_norm: one per stage
+    config = TrainConfig.load(tmp_path / "cut" / "config.json")["config"]
+    assert config["stages"] == 2 and config["runtime"] == "dist"
