@@ -107,3 +107,10 @@ def test_a_missing_text_column_exits_2_and_writes_nothing(
     err = capsys.readouterr().err
     assert "'body'" in err and "'text'" in err  # the missing column and the ones there are
     assert not out.exists()
+
+
+def test_the_hf_tokenizer_without_an_hf_model_exits_2_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--tokenizer", "hf", "--out", str(out), "--no-progress"]) == 2
+    assert "--tokenizer hf reads the tokenizer.json of --model hf:PATH" in capsys.readouterr().err
+    assert not out.exists()
