@@ -63,6 +63,12 @@ class Saved:
                 "not (another model, or tied weights split differently): resume the same model "
                 "with --untie-embeddings as it was saved"
             )
+        wrong = [n for n, p in worker.named if tuple(self.weights[n].shape) != tuple(p.shape)]
+        if wrong:
+            raise ValueError(
+                f"stage {worker.stage}'s parameters {wrong[:3]} have other shapes in the "
+                "checkpoint: load it into the model it was saved from"
+            )
         stash = {  # a version some of whose tensors were not kept is refused once read
             v: {n: weights[n] for n in names}
             for v, weights in self.stash.items()

@@ -225,9 +225,9 @@ def resume_pipeline(
     """Load the checkpoint into ``pipe``: this process's stages' parts, or, at another split,
     every saved stage's part, each parameter's state moved to the stage that holds it now."""
     step = manifest["step"]
-    if reshape:
+    if reshape:  # every saved part, on the CPU: each stage moves only its own share over
         saved = range(manifest["num_stages"])
-        pipe.load_restaged_parts(step, [load_part(run_dir, manifest, s, device) for s in saved])
+        pipe.load_restaged_parts(step, [load_part(run_dir, manifest, s) for s in saved])
     else:
         pipe.load_stage_parts(step, [load_part(run_dir, manifest, s, device) for s in pipe.local])
 
