@@ -22,8 +22,8 @@ TRAIN_FLAGS = """
 --eval-batches --eval-every --fused-adamw --fused-grad-accumulation --help --json --lr
 --master-port --micro-batch-size --microbatches --min-lr-ratio --model --momentum --no-progress
 --optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule --seed
---seq-len --shard --stages --steps --stop-at --strict-p2p --sync-warmup --threads --tokenizer
---untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
+--seq-len --shard --stages --steps --stop-at --strict-p2p --sync-warmup --text-column --threads
+--tokenizer --untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
 """
 
 COMMAND_FLAGS = {

@@ -90,18 +90,28 @@ class PipelineState(StepLoop):
             worker.load_state_dict(dict(part))
         self.emulator = self._runner(step)
 
+    def load_restaged_parts(self, step: int, parts: Sequence[Mapping[str, Any]]) -> None:
+        """Continue from every stage's part of a checkpoint of another split (another number
+        of stages or virtual stages), written at drain point ``step``: each parameter's
+        weights, optimizer state and correction buffers move to the stage that holds it now,
+        by name (api/restage.py). With runtime="dist", every rank passes every saved part."""
+        from nobubble.api.restage import check_versions, restage
+
+        self.load_stage_parts(step, restage(parts, self.workers))
+        check_versions(self.workers)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state_dict()``'s dict; one saved at another number of stages moves
+        each parameter's state by name (``load_restaged_parts``)."""
         self._check_drained("load_state_dict()")
         if state.get("format") != FORMAT:
             raise ValueError(
                 f"not a nobubble pipeline state (format {state.get('format')!r}, expected "
                 f"{FORMAT!r}): load the dict that Pipeline.state_dict() returned"
             )
-        if state["num_stages"] != self.num_stages:
-            raise ValueError(
-                f"the state holds {state['num_stages']} stages, this pipeline has "
-                f"{self.num_stages}: split the model the same way it was saved"
-            )
+        if state["num_stages"] != self.num_stages:  # another split: move state by name
+            self.load_restaged_parts(state["step"], state["stages"])
+            return
         for worker, part in zip(self.workers, state["stages"], strict=True):
             ours = {n: tuple(p.shape) for n, p in worker.named}
             theirs = {n: tuple(t.shape) for n, t in part["module"].items() if n in ours}

@@ -121,6 +121,7 @@ class WorkerStep:
         module = {k: v.detach() for k, v in self.module.state_dict().items()}
         state = {
             "stage": self.stage,
+            "names": [name for name, _ in self.named],  # the order of the correction's buffers
             "module": {k: v.clone() for k, v in module.items()} if copy else module,
             "optimizer": self.optimizer.state_dict(),
             "correction": self.correction.state_dict(),

@@ -10,6 +10,7 @@ import copy
 import logging
 import math
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,12 +73,41 @@ class StageOptimizer:
                 group["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer name, tensor names per group and each part's state (live tensors)."""
+        """Optimizer name, tensor names per group, each part's state (live tensors) and, per
+        part, the parameter name of each of torch's state indices (``names``: the state moves
+        by name to another split, ``state_by_name``)."""
         return {
             "optimizer": self.cfg.name,
             "routing": {"muon": list(self.routing.muon), "adamw": list(self.routing.adamw)},
             "parts": {key: opt.state_dict() for key, opt in self.parts.items()},
+            "names": {key: self._index_names(opt) for key, opt in self.parts.items()},
         }
+
+    def _index_names(self, opt: torch.optim.Optimizer) -> list[str]:
+        """The parameter names in the order torch numbers a part's state (group by group)."""
+        name_of = {id(p): n for n, p in zip(self.names, self.params, strict=True)}
+        return [name_of[id(p)] for group in opt.param_groups for p in group["params"]]
+
+    def restaged(self, entries: dict[str, ParamState]) -> dict[str, Any]:
+        """A ``state_dict`` of this optimizer assembled from other stages' saved entries
+        (``state_by_name``): each parameter's state and its group's options move with it by
+        name, whatever split saved them. Refuses a parameter saved under another part of the
+        routing, and a group whose parameters come from groups of other options."""
+        parts, names = {}, {}
+        for key, opt in self.parts.items():
+            index_names = names[key] = self._index_names(opt)
+            state: dict[int, Any] = {}
+            groups, index = [], 0
+            for group in opt.param_groups:
+                members = index_names[index : index + len(group["params"])]
+                options = _agreed_options(key, members, entries)
+                groups.append({**options, "params": list(range(index, index + len(members)))})
+                for i, name in enumerate(members, start=index):
+                    if entries[name].state is not None:
+                        state[i] = entries[name].state
+                index += len(members)
+            parts[key] = {"state": state, "param_groups": groups}
+        return {**self.state_dict(), "parts": parts, "names": names}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a copy of `state_dict`; refuses one saved by another optimizer or routing."""
@@ -94,6 +124,71 @@ class StageOptimizer:
         parts = copy.deepcopy(state_dict["parts"])
         for key, opt in self.parts.items():
             opt.load_state_dict(parts[key])
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """One parameter's share of a saved ``StageOptimizer.state_dict``: the routing part that
+    stepped it, its group's options and its per-parameter state (None: never stepped)."""
+
+    part: str
+    options: dict[str, Any]
+    state: dict[str, Any] | None
+
+
+def state_by_name(state_dict: dict[str, Any]) -> dict[str, ParamState]:
+    """Each parameter's entry of a saved ``StageOptimizer.state_dict``, by name. torch keys a
+    state by position; the names saved beside it make it movable to another split."""
+    if "names" not in state_dict:
+        raise ValueError(
+            f"the {state_dict['optimizer']!r} optimizer state was saved without parameter names "
+            "(by an older nobubble): it cannot move to another split; resume at the --stages "
+            "and --virtual-stages it was written with"
+        )
+    entries = {}
+    for key, part in state_dict["parts"].items():
+        names = state_dict["names"][key]
+        for group in part["param_groups"]:
+            options = {k: v for k, v in group.items() if k != "params"}
+            for i in group["params"]:
+                entries[names[i]] = ParamState(key, options, part["state"].get(i))
+    return entries
+
+
+# per-stage by design (a delay correction scales a stage's lr) and set again before every step
+_STAGE_OPTIONS = ("lr",)
+
+
+def _agreed_options(key: str, members: list[str], entries: dict[str, ParamState]) -> dict[str, Any]:
+    """The saved group options of ``members``, which must agree (parameters that shared a
+    group before the split share one after it)."""
+    wrong = [n for n in members if entries[n].part != key]
+    if wrong:
+        raise ValueError(
+            f"parameters {wrong[:3]} were stepped by the {entries[wrong[0]].part!r} part of the "
+            f"optimizer and are routed to {key!r} now: resume with the routing they were saved with"
+        )
+    first = entries[members[0]].options
+    for name in members[1:]:
+        other = entries[name].options
+        differ = [
+            k
+            for k in set(first) | set(other)
+            if k not in _STAGE_OPTIONS and not _same(first.get(k), other.get(k))
+        ]
+        if differ:
+            raise ValueError(
+                f"parameters {members[0]!r} and {name!r} share an optimizer group now but were "
+                f"saved with different {sorted(differ)}: this optimizer's state cannot move to "
+                "another split; resume at the --stages it was written with"
+            )
+    return dict(first)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and torch.equal(a, b)
+    return bool(a == b)
 
 
 def _param_groups(
@@ -137,4 +232,4 @@ def build_optimizer(
     return StageOptimizer(cfg, named, routing, parts)
 
 
-__all__ = ["StageOptimizer", "build_optimizer"]
+__all__ = ["ParamState", "StageOptimizer", "build_optimizer", "state_by_name"]

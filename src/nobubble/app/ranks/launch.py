@@ -23,7 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from nobubble.app.train.checkpoint import check_resumable, check_work_left, read_manifest
+from nobubble.app.train.checkpoint import (
+    check_resumable,
+    check_stream,
+    check_work_left,
+    read_manifest,
+)
 from nobubble.app.train.config import TrainConfig
 from nobubble.app.train.trainer import RunResult, resolve_run_dir
 from nobubble.core.errors import NobubbleError
@@ -93,7 +98,9 @@ def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
     if cfg.master_port:
         check_port(port)
     run_dir = resolve_run_dir(cfg)
-    load_data(cfg)  # fill the cache once, before the ranks race for it
+    data = load_data(cfg)  # fill the cache once, before the ranks race for it
+    if cfg.resume:
+        check_stream(read_manifest(Path(cfg.resume)), data.stream_id, Path(cfg.resume))
     args = [*argv, "--out", str(run_dir)] if not cfg.resume else list(argv)
     procs = []
     for rank in range(world):

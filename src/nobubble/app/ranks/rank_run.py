@@ -19,10 +19,12 @@ from nobubble.app.ranks.rank_env import RankEnv, check_same_config
 from nobubble.app.train.assemble import load_data, make_model, make_pipeline, make_plan
 from nobubble.app.train.checkpoint import (
     check_resumable,
+    check_stream,
     check_work_left,
     finalize,
-    load_part,
     read_manifest,
+    reshaped,
+    resume_pipeline,
     save_part,
     staging_dir,
 )
@@ -70,6 +72,8 @@ class RankRun:
         self.data = load_data(cfg)
         if self.rank == 0:
             self._barrier()
+        if manifest is not None:
+            check_stream(manifest, self.data.stream_id, self.run_dir)
         self.plan = make_plan(cfg, self.data.vocab_size)
         placement = self.plan.placement
         self.local = placement.stages_of(self.pp)  # one stage, or v (interleaved, V)
@@ -93,9 +97,9 @@ class RankRun:
         self.peak_sampler = (
             PeakSampler(self._doing).start() if os.environ.get("NOBUBBLE_PEAK_WHERE") else None
         )
+        self.reshape = manifest is not None and reshaped(manifest, cfg.fingerprint())
         if manifest is not None:
-            parts = [load_part(self.run_dir, manifest, s, self.device) for s in self.local]
-            self.pipe.load_stage_parts(self.start_step, parts)
+            resume_pipeline(self.pipe, self.run_dir, manifest, self.reshape, self.device)
             for worker in self.pipe.workers:
                 wrong = misplaced(worker.state_dict(), self.device)
                 assert not wrong, f"resumed state off {self.device}: {', '.join(wrong[:5])}"
@@ -243,6 +247,7 @@ class RankRun:
                     {
                         "elapsed_s": self.records[-1]["elapsed_s"],
                         "train_s": self.records[-1]["train_s"],
+                        "data_stream": self.data.stream_id,
                     },
                 )
             self._barrier()
@@ -289,7 +294,7 @@ class RankRun:
             self._barrier()
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not self.cfg.resume:
+        if not self.cfg.resume or self.reshape:  # the run's split is the resumed one's
             payload = {
                 "config": self.cfg.to_json(),
                 "provenance": provenance(),
@@ -302,7 +307,7 @@ class RankRun:
                 },
             }
             (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
-        else:
+        if self.cfg.resume:
             truncate_metrics(self.run_dir, self.start_step)
         writer = MetricsWriter(self.run_dir)
         self._barrier()

@@ -122,9 +122,21 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+# What a resume may change besides the data parallelism: the split of the model into stages.
+# Each parameter's state moves by name to the stage that holds it now (api/restage.py); an
+# asynchronous schedule then runs a new pipeline from the drained state (its delays, versions
+# and ledger restart at the new depth). The schedule, the micro-batches and every other field
+# stay: they change the numbers.
+SHAPE = ("stages", "virtual_stages")
+
+
 def check_fingerprint(manifest: dict[str, Any], fingerprint: dict[str, Any], where: Path) -> None:
     saved = manifest["fingerprint"]
-    differ = sorted(k for k in set(saved) | set(fingerprint) if saved.get(k) != fingerprint.get(k))
+    differ = sorted(
+        k
+        for k in set(saved) | set(fingerprint)
+        if saved.get(k) != fingerprint.get(k) and k not in SHAPE
+    )
     if differ:
         details = ", ".join(
             f"{k}: checkpoint {saved.get(k)!r} vs now {fingerprint.get(k)!r}" for k in differ
@@ -199,6 +211,38 @@ def stage_weights(run_dir: Path, manifest: dict[str, Any], stage: int) -> dict[s
     record_path = checked_file(run_dir, manifest, f"stage{stage}.json")
     record = json.loads(record_path.read_text())
     return read_shard(checked_file(run_dir, manifest, record["file"]), record["aliases"])
+
+
+def reshaped(manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
+    """Whether a resume runs at another split than the checkpoint's (``SHAPE``)."""
+    saved = manifest["fingerprint"]
+    return any(saved.get(k, fingerprint[k]) != fingerprint[k] for k in SHAPE)
+
+
+def resume_pipeline(
+    pipe: Any, run_dir: Path, manifest: dict[str, Any], reshape: bool, device: Any = "cpu"
+) -> None:
+    """Load the checkpoint into ``pipe``: this process's stages' parts, or, at another split,
+    every saved stage's part, each parameter's state moved to the stage that holds it now."""
+    step = manifest["step"]
+    if reshape:  # every saved part, on the CPU: each stage moves only its own share over
+        saved = range(manifest["num_stages"])
+        pipe.load_restaged_parts(step, [load_part(run_dir, manifest, s) for s in saved])
+    else:
+        pipe.load_stage_parts(step, [load_part(run_dir, manifest, s, device) for s in pipe.local])
+
+
+def check_stream(manifest: dict[str, Any], stream: str | None, where: Path) -> None:
+    """The documents are the checkpoint's: the same files, text column and tokenizer (the
+    data's ``stream_id``, its cache key), so the resumed run reads the tokens an uninterrupted
+    one would have."""
+    saved = manifest.get("data_stream")
+    if saved is not None and stream is not None and saved != stream:
+        raise CheckpointError(
+            f"the checkpoint in {str(where)!r} trained on the token stream {saved!r}, but --data "
+            f"now gives {stream!r}: its files, --text-column or tokenizer changed; resume with "
+            "the data it was written with, or start a new run with another --out"
+        )
 
 
 def check_work_left(step: int, end: int, run_dir: Path) -> None:

@@ -49,6 +49,7 @@ class TrainFields:
     seed: int = 0
     data: str = "shakespeare"
     tokenizer: str = "bpe"
+    text_column: str = "text"
     vocab_size: int = 4096
     seq_len: int = 128
     model: str = "tiny"
@@ -183,19 +184,38 @@ class TrainFields:
         )
 
     def data_config(self) -> DataConfig:
-        data = DataConfig(
+        """The data's config; with ``--model hf:PATH`` whose folder holds a tokenizer.json and
+        the default tokenizer (or ``--tokenizer hf``), the model's own tokenizer and
+        vocabulary."""
+        if self.data != "shakespeare" and not Path(self.data).exists():
+            raise ValueError(
+                f"--data {self.data!r} does not exist: give a text file, a folder of .txt files, "
+                "parquet, jsonl or arrow files (or a folder of them, such as a datasets save), "
+                ".bin shards, or 'shakespeare'"
+            )
+        tokenizer, path, vocab = self.tokenizer, None, self.vocab_size
+        if self.tokenizer in ("bpe", "hf") and self.is_hf:
+            folder = Path(self.model.removeprefix("hf:")).expanduser()
+            folder = folder.parent if folder.is_file() else folder
+            if self.tokenizer == "hf" or (folder / "tokenizer.json").is_file():
+                tokenizer, path = "hf", str(folder)
+                from nobubble.model.hf import config_vocab
+
+                vocab = config_vocab(self.hf_config())
+        elif self.tokenizer == "hf":
+            raise ValueError(
+                f"--tokenizer hf reads the tokenizer.json of --model hf:PATH, but --model is "
+                f"{self.model!r}: give a Hugging Face model folder, or --tokenizer bpe or gpt2"
+            )
+        return DataConfig(
             source=self.data,
-            tokenizer=self.tokenizer,
-            vocab_size=self.vocab_size,
+            tokenizer=tokenizer,
+            vocab_size=vocab,
             seq_len=self.seq_len,
             seed=self.seed,
+            tokenizer_path=path,
+            text_column=self.text_column,
         )
-        if data.source != "shakespeare" and not Path(data.source).exists():
-            raise ValueError(
-                f"--data {data.source!r} does not exist: give a text file, a "
-                "folder of .txt files, .bin shards, or 'shakespeare'"
-            )
-        return data
 
 
 def check_port(port: object) -> None:

@@ -17,7 +17,9 @@ HELP = {
     "model": "a preset (tiny, mini, small, medium, ...) or hf:PATH, a Hugging Face model folder "
     "or config.json (Llama family, GPT-2)",
     "untie_embeddings": "train a tied Hugging Face head as its own parameter (async schedules)",
-    "data": "'shakespeare' (default corpus), a text file or folder, or .bin shards",
+    "data": "'shakespeare' (default corpus), a text file or folder, parquet, jsonl or arrow "
+    "files or a folder of them (a datasets save), or .bin shards",
+    "text_column": "the column (jsonl: field) of parquet, jsonl or arrow documents holding text",
     "eval_every": "validate (and drain async schedules) every K steps",
     "checkpoint_every": "checkpoint every K steps (multiple of --eval-every; 0: at the end)",
     "fused_adamw": "true: AdamW (also Muon's AdamW side) in torch's fused kernel, no per-tensor "

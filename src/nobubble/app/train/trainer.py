@@ -26,10 +26,12 @@ from nobubble.app.train.assemble import load_data, make_model, make_pipeline, ma
 from nobubble.app.train.checkpoint import (
     check_fingerprint,
     check_resumable,
+    check_stream,
     check_work_left,
     finalize,
-    load_part,
     read_manifest,
+    reshaped,
+    resume_pipeline,
     save_part,
     staging_dir,
 )
@@ -119,6 +121,8 @@ class Trainer:
             self.start_step = manifest["step"]
             check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
         self.data = load_data(cfg)
+        if manifest is not None:
+            check_stream(manifest, self.data.stream_id, self.run_dir)
         self.plan = make_plan(cfg, self.data.vocab_size)
         if self.start_step and self.start_step not in self.plan.drain_points:
             raise ValueError(f"checkpoint step {self.start_step} is not a drain point")
@@ -126,9 +130,9 @@ class Trainer:
         # every action's duration recorded, for the projected clock of `bench time-to-target`
         self.pipe = make_pipeline(self.plan, self.model.stages, Observer(record=True))
         self.workers = self.pipe.workers
+        self.reshape = manifest is not None and reshaped(manifest, cfg.fingerprint())
         if manifest is not None:
-            parts = [load_part(self.run_dir, manifest, s) for s in range(cfg.model_stages)]
-            self.pipe.load_stage_parts(self.start_step, parts)
+            resume_pipeline(self.pipe, self.run_dir, manifest, self.reshape)
         self.step_losses: dict[int, list[float]] = {}
         self.result = RunResult(self.run_dir)
 
@@ -190,7 +194,11 @@ class Trainer:
             step,
             self.cfg.model_stages,
             self.cfg.fingerprint(),
-            {"elapsed_s": self.pending["elapsed_s"], "train_s": self.pending["train_s"]},
+            {
+                "elapsed_s": self.pending["elapsed_s"],
+                "train_s": self.pending["train_s"],
+                "data_stream": self.data.stream_id,
+            },
         )
 
     # ----- the loop ------------------------------------------------------------------------------
@@ -269,7 +277,7 @@ class Trainer:
                 "drain_points": self.plan.drain_points,
             },
         }
-        if not self.cfg.resume:
+        if not self.cfg.resume or self.reshape:  # the run's split is the resumed one's
             (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
 
     def _finish(self) -> None:
