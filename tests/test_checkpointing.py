@@ -51,7 +51,7 @@ def test_checkpointing_trains_bitwise_as_without(schedule, mode):
     schedule = schedule.removesuffix("+recompute")
     ref_losses, ref_weights, _ = train(schedule, **extra)
     losses, trained, pipe = train(
-        schedule, activation_checkpointing=mode, checkpoint_every=2, **extra
+        schedule, activation_checkpointing=mode, selective_every=2, **extra
     )
     assert pipe.wrapped_blocks == (  # type: ignore[attr-defined]
         {0: ["layers.0", "layers.1"], 1: ["layers.2", "layers.3"]}
@@ -100,4 +100,11 @@ def test_blocks_of_a_stage_and_the_refusal():
         r"activation_checkpointing='some' is unknown: use one of 'none', 'full', 'selective'",
         lambda: nobubble.PipelineConfig.build(activation_checkpointing="some"),
     )
-    refuses(r"checkpoint_every=0", lambda: nobubble.PipelineConfig.build(checkpoint_every=0))
+    refuses(r"selective_every=0", lambda: nobubble.PipelineConfig.build(selective_every=0))
+
+
+def test_compile_is_refused_with_a_split_backward():
+    refuses(
+        r"compile=True with schedule='zb-h1': its split backward",
+        lambda: nobubble.PipelineConfig.build(schedule="zb-h1", compile=True),
+    )

@@ -196,7 +196,7 @@ class ComputeSpec:
     ``.grad`` inside the backward (not with a split backward or data_parallel >= 2);
     activation_checkpointing: "none", "full" (every block keeps only its input and rebuilds its
     activations at backward, reading the weights its forward read) or "selective" (every
-    ``checkpoint_every``-th block, from the first); compile: torch.compile each block
+    ``selective_every``-th block, from the first); compile: torch.compile each block
     (regional). Blocks: ``nobubble.model.blocks.stage_blocks``."""
 
     dtype: str = field(
@@ -218,10 +218,10 @@ class ComputeSpec:
         default="none",
         metadata={
             "help": "none | full (recompute every block at backward) | selective (every "
-            "checkpoint_every-th block)"
+            "selective_every-th block)"
         },
     )
-    checkpoint_every: int = field(
+    selective_every: int = field(
         default=2, metadata={"help": "selective checkpointing: every k-th block, from the first"}
     )
     compile: bool = field(
@@ -236,10 +236,10 @@ class ComputeSpec:
                 f"activation_checkpointing={self.activation_checkpointing!r} is unknown: use "
                 "one of " + ", ".join(repr(c) for c in CHECKPOINTING)
             )
-        k = self.checkpoint_every
+        k = self.selective_every
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(
-                f"checkpoint_every={k!r}: use an integer >= 1 (selective checkpointing "
+                f"selective_every={k!r}: use an integer >= 1 (selective checkpointing "
                 "recomputes every k-th block of a stage)"
             )
         for name in ("paci_recompute", "fused_grad_accumulation", "compile"):
@@ -251,6 +251,13 @@ class ComputeSpec:
             raise ValueError(f"paci_recompute=True applies to paci only, not {info.name}")
         if self.fused_grad_accumulation:
             check_fusable(info.name, info.split_backward, data_parallel)
+        if self.compile and info.split_backward:
+            raise ValueError(
+                f"compile=True with schedule={info.name!r}: its split backward runs autograd "
+                "twice over one graph (input gradients, then weight gradients, retain_graph), "
+                "which a compiled block's backward refuses; use a schedule without a split "
+                "backward (1f1b, paci, ...) or compile=False"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

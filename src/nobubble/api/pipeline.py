@@ -71,7 +71,7 @@ class Pipeline(PipelineState, Evaluation):
       process r, e.g. under torchrun, every process building the same stages and feeding the
       same batches), dist_timeout, backend, data_parallel, bucket_mb, shard.
     - compute (``ComputeSpec``): dtype, paci_recompute, fused_grad_accumulation,
-      activation_checkpointing, checkpoint_every, compile.
+      activation_checkpointing, selective_every, compile.
     - init (``InitSpec``): seed, init, weights, device, for stages on the meta device.
     - steps: the total number of steps, when known (the last drain keeps no weight version for a
       batch that will not come); None: open-ended.
@@ -191,7 +191,7 @@ class Pipeline(PipelineState, Evaluation):
             self.fused_layers[s] = fuse_grad_accumulation(module)
         compute = config.compute
         self.wrapped_blocks[s] = wrap_blocks(
-            module, compute.activation_checkpointing, compute.checkpoint_every, compute.compile, s
+            module, compute.activation_checkpointing, compute.selective_every, compute.compile, s
         )
         # FSDP2 shards the stage now: its optimizer is built over the sharded parameters
         fsdp = (

@@ -80,7 +80,7 @@ def wrap_blocks(
             continue
         if isinstance(block.__dict__.get("forward"), BlockCall):  # a second pipeline
             del block.forward
-        block.forward = BlockCall(block, chosen, compiled)  # type: ignore[method-assign]
+        block.forward = BlockCall(block, chosen, compiled)
         wrapped.append(name)
     return wrapped
 
