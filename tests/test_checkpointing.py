@@ -40,15 +40,20 @@ def train(schedule: str, **compute: object) -> tuple[list[float], dict[str, torc
 
 
 @pytest.mark.parametrize(
-    ("schedule", "mode"),
-    [("2bw", "full"), ("1f1b", "selective"), ("zb-h1", "full"), ("paci+recompute", "full")],
+    ("schedule", "mode", "extra"),
+    [
+        ("2bw", "full", {}),
+        ("1f1b", "selective", {}),
+        ("zb-h1", "full", {}),
+        ("paci", "full", {"paci_recompute": True}),
+        ("2bw", "full", {"fused_grad_accumulation": True}),
+    ],
 )
-def test_checkpointing_trains_bitwise_as_without(schedule, mode):
+def test_checkpointing_trains_bitwise_as_without(schedule, mode, extra):
     """2BW stashes the forward's version, zb-h1 splits the backward into I and W (each
     rebuilds the activations it needs), PACI with paci_recompute rebuilds its stage at the live
-    weights and each block again from there."""
-    extra = {"paci_recompute": True} if schedule.endswith("+recompute") else {}
-    schedule = schedule.removesuffix("+recompute")
+    weights and each block again from there, fused layers add into .grad from the rebuild's
+    graph as from the forward's."""
     ref_losses, ref_weights, _ = train(schedule, **extra)
     losses, trained, pipe = train(
         schedule, activation_checkpointing=mode, selective_every=2, **extra

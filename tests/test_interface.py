@@ -21,9 +21,9 @@ TRAIN_FLAGS = """
 --compile --config --correction --data --data-parallel --delay-lr-steps --device --dist-timeout
 --dtype --ef-lambda --eval-batches --eval-every --fused-adamw --fused-grad-accumulation --help
 --json --lr --master-port --micro-batch-size --microbatches --min-lr-ratio --model --momentum
---no-progress --optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule --seed
---selective-every --seq-len --shard --stages --steps --stop-at --strict-p2p --sync-warmup --threads
---tokenizer --untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
+--no-progress --optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule
+--seed --selective-every --seq-len --shard --stages --steps --stop-at --strict-p2p
+--sync-warmup --threads --tokenizer --untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
 """
 
 COMMAND_FLAGS = {
