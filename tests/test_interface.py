@@ -23,7 +23,8 @@ TRAIN_FLAGS = """
 --json --lr --master-port --micro-batch-size --microbatches --min-lr-ratio --model --momentum
 --no-progress --optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule
 --seed --selective-every --seq-len --shard --stages --steps --stop-at --strict-p2p
---sync-warmup --threads --tokenizer --untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
+--sync-warmup --threads --tokenizer --untie-embeddings --virtual-stages --vocab-size
+--warmup-frac --weight-decay
 """
 
 COMMAND_FLAGS = {
