@@ -37,7 +37,7 @@ COMMAND_FLAGS = {
     "--from-json --from-torch-csv --fwd --help --json --latency --microbatches --plot --schedule --stages "
     "--step-cost --steps --trace --virtual-stages --wgrad",
     "bench sim": "--accum --help --json --microbatches --schedule --stages --steps",
-    "bench emulator": "--help --json --micro-batch-size --microbatches --model --rounds "
+    "bench emulator": "--compile --help --json --micro-batch-size --microbatches --model --rounds "
     "--schedule --seq-len --stages --steps --threads",
     "bench runtime": "--allocator --data-parallel --grad-mb --help --json --micro-batch-size "
     "--microbatches --model --optimizer --rounds --schedule --seq-len --stages --steps "
