@@ -45,8 +45,9 @@ COMMAND_FLAGS = {
     "bench time-to-target": "--check-projection --equal-budget --eval-every --help --json --out "
     "--projection-from --rounds --seeds --steps --sync --train --transfers --tune --tune-factor "
     "--tune-points --tune-seeds --variants",
-    "bench memory": "--allocator --data --fused-adamw --fused-grad-accumulation --help --hidden "
-    "--intermediate --json --layers --micro-batch-size --microbatches --schedule --seq-len "
+    "bench memory": "--activation-checkpointing --allocator --data --fused-adamw "
+    "--fused-grad-accumulation --help --hidden --intermediate --json --layers --micro-batch-size "
+    "--microbatches --schedule --seq-len "
     "--stages --steps --vocab-size --where",
     "train": "",  # its flags are TRAIN_FLAGS, parsed once the command is chosen
     "study": "--bench --help --json --micro-batch-size --microbatches --model --optimizer --out "

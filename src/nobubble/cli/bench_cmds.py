@@ -114,6 +114,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
         allocator=args.allocator,
         fused_adamw=args.fused_adamw,
         fused_grad_accumulation=args.fused_grad_accumulation,
+        activation_checkpointing=args.activation_checkpointing,
         where=args.where,
     )
 
@@ -272,6 +273,13 @@ def _add_memory(bench: argparse._SubParsersAction) -> None:
         action="store_true",
         help="train with the weight gradients added into .grad inside the backward (no fresh "
         "gradient per micro-batch; nobubble train --fused-grad-accumulation)",
+    )
+    q.add_argument(
+        "--activation-checkpointing",
+        default="none",
+        choices=["none", "full", "selective"],
+        help="train with each block's activations rebuilt at backward (activation_MiB shows "
+        "the peak it saves; nobubble train --activation-checkpointing)",
     )
     q.add_argument(
         "--where",
