@@ -113,3 +113,15 @@ def test_compile_is_refused_with_a_split_backward():
         r"compile=True with schedule='zb-h1': its split backward",
         lambda: nobubble.PipelineConfig.build(schedule="zb-h1", compile=True),
     )
+
+
+def test_checkpointing_a_hugging_face_stage():
+    """An HFStage's blocks are its model's layers; their keyword inputs (masks, positions,
+    rotary tables) reach the rebuild."""
+    from test_hf import LLAMA
+
+    pipe, losses, _ = run_pipeline(LLAMA, "2bw", 2, 2, activation_checkpointing="full")
+    assert pipe.wrapped_blocks[0][0].startswith("model.layers.")
+    ref_pipe, ref, _ = run_pipeline(LLAMA, "2bw", 2, 2)
+    assert losses == ref
+    assert_bitwise(weights(pipe.stages), weights(ref_pipe.stages))
