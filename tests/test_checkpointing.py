@@ -93,6 +93,14 @@ def test_checkpointing_saves_activation_bytes():
     assert all(c < k / 2 for c, k in zip(checkpointed, kept, strict=True)), (checkpointed, kept)
 
 
+def test_a_later_pipeline_on_the_same_modules_unwraps_them():
+    model = GPT.make_model()
+    nobubble.Pipeline(GPT.cut(model, 2), lm_loss, schedule="1f1b", activation_checkpointing="full")
+    pipe = nobubble.Pipeline(GPT.cut(model, 2), lm_loss, schedule="1f1b")
+    assert pipe.wrapped_blocks == {0: [], 1: []}
+    assert all("forward" not in block.__dict__ for block in model.layers.values())
+
+
 def test_blocks_of_a_stage_and_the_refusal():
     seq = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
     assert [n for n, _ in stage_blocks(seq)] == ["0", "1"]

@@ -71,6 +71,9 @@ def wrap_blocks(
     """Checkpoint (all blocks, or every ``every``-th under "selective") and/or compile the
     blocks of ``stage`` in place; returns the names of the blocks checkpointed or compiled."""
     assert checkpointing in CHECKPOINTING, checkpointing
+    for module in stage.modules():  # an earlier pipeline's wrapping of the same modules
+        if isinstance(module.__dict__.get("forward"), BlockCall):
+            del module.forward
     if checkpointing == "none" and not compiled:
         return []
     wrapped = []
@@ -78,8 +81,6 @@ def wrap_blocks(
         chosen = checkpointing == "full" or (checkpointing == "selective" and i % every == 0)
         if not (chosen or compiled):
             continue
-        if isinstance(block.__dict__.get("forward"), BlockCall):  # a second pipeline
-            del block.forward
         block.forward = BlockCall(block, chosen, compiled)
         wrapped.append(name)
     return wrapped
