@@ -123,6 +123,16 @@ def test_compile_is_refused_with_a_split_backward():
     )
 
 
+def test_plain_paci_refuses_checkpointing_and_names_the_exact_ways():
+    refuses(
+        r"activation_checkpointing='full' with schedule='paci'.*paci_recompute=True",
+        lambda: nobubble.PipelineConfig.build(schedule="paci", activation_checkpointing="full"),
+    )
+    nobubble.PipelineConfig.build(
+        schedule="paci", activation_checkpointing="full", paci_recompute=True
+    )
+
+
 def test_checkpointing_a_hugging_face_stage():
     """An HFStage's blocks are its model's layers; their keyword inputs (masks, positions,
     rotary tables) reach the rebuild."""

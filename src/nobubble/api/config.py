@@ -251,6 +251,17 @@ class ComputeSpec:
             raise ValueError(f"paci_recompute=True applies to paci only, not {info.name}")
         if self.fused_grad_accumulation:
             check_fusable(info.name, info.split_backward, data_parallel)
+        checkpointed = self.activation_checkpointing != "none"
+        if checkpointed and info.name == "paci" and not self.paci_recompute:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} with "
+                "schedule='paci': "
+                "paci's steps update the weights a forward read in place before its backward, so "
+                "a rebuilt block would read other weights than its forward did (the exact rebuild "
+                "needs a copy of every version in flight, the stash paci avoids); use "
+                "paci_recompute=True (the whole stage rebuilt at backward, on the live weights), "
+                "a stashing schedule (2bw, pipedream), or activation_checkpointing='none'"
+            )
         if self.compile and info.split_backward:
             raise ValueError(
                 f"compile=True with schedule={info.name!r}: its split backward runs autograd "
