@@ -17,13 +17,14 @@ from nobubble.app.train.flags import build_train_parser
 from nobubble.cli import build_parser
 
 TRAIN_FLAGS = """
---accum --backend --bucket-mb --checkpoint-every --clip --clip-scope --config --correction
---data --data-parallel --delay-lr-steps --device --dist-timeout --dtype --ef-lambda
---eval-batches --eval-every --fused-adamw --fused-grad-accumulation --help --json --lr
---master-port --micro-batch-size --microbatches --min-lr-ratio --model --momentum --no-progress
---optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule --seed
---seq-len --shard --stages --steps --stop-at --strict-p2p --sync-warmup --text-column --threads
---tokenizer --untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
+--accum --activation-checkpointing --backend --bucket-mb --checkpoint-every --clip --clip-scope
+--compile --config --correction --data --data-parallel --delay-lr-steps --device --dist-timeout
+--dtype --ef-lambda --eval-batches --eval-every --fused-adamw --fused-grad-accumulation --help
+--json --lr --master-port --micro-batch-size --microbatches --min-lr-ratio --model --momentum
+--no-progress --optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule
+--seed --selective-every --seq-len --shard --stages --steps --stop-at --strict-p2p
+--sync-warmup --text-column --threads --tokenizer --untie-embeddings --virtual-stages
+--vocab-size --warmup-frac --weight-decay
 """
 
 COMMAND_FLAGS = {
@@ -36,7 +37,7 @@ COMMAND_FLAGS = {
     "--from-json --from-torch-csv --fwd --help --json --latency --microbatches --plot --schedule "
     "--stages --step-cost --steps --trace --virtual-stages --wgrad",
     "bench sim": "--accum --help --json --microbatches --schedule --stages --steps",
-    "bench emulator": "--help --json --micro-batch-size --microbatches --model --rounds "
+    "bench emulator": "--compile --help --json --micro-batch-size --microbatches --model --rounds "
     "--schedule --seq-len --stages --steps --threads",
     "bench runtime": "--allocator --data-parallel --grad-mb --help --json --micro-batch-size "
     "--microbatches --model --optimizer --rounds --schedule --seq-len --stages --steps "
@@ -44,8 +45,9 @@ COMMAND_FLAGS = {
     "bench time-to-target": "--check-projection --equal-budget --eval-every --help --json --out "
     "--projection-from --rounds --seeds --steps --sync --train --transfers --tune --tune-factor "
     "--tune-points --tune-seeds --variants",
-    "bench memory": "--allocator --data --fused-adamw --fused-grad-accumulation --help --hidden "
-    "--intermediate --json --layers --micro-batch-size --microbatches --schedule --seq-len "
+    "bench memory": "--activation-checkpointing --allocator --data --fused-adamw "
+    "--fused-grad-accumulation --help --hidden --intermediate --json --layers --micro-batch-size "
+    "--microbatches --schedule --seq-len "
     "--stages --steps --vocab-size --where",
     "train": "",  # its flags are TRAIN_FLAGS, parsed once the command is chosen
     "study": "--bench --help --json --micro-batch-size --microbatches --model --optimizer --out "
@@ -57,10 +59,10 @@ COMMAND_FLAGS = {
 }
 
 PIPELINE_KEYWORDS = """
-accum backend bucket_mb clip clip_scope correction data_parallel delay_lr_steps device
-dist_timeout dtype ef_lambda fused_grad_accumulation init lr lr_schedule microbatches optimizer
-optimizer_options paci_recompute runtime schedule seed shard steps sync_warmup virtual_stages
-weights
+accum activation_checkpointing backend bucket_mb clip clip_scope compile correction data_parallel
+delay_lr_steps device dist_timeout dtype ef_lambda fused_grad_accumulation init lr lr_schedule
+microbatches optimizer optimizer_options paci_recompute runtime schedule seed selective_every shard
+steps sync_warmup virtual_stages weights
 """
 # keywords of the Python API alone: callables, mappings and the meta device's values, which a
 # command line does not give (the training recipe derives lr from --lr and its schedule)

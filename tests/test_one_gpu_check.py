@@ -71,6 +71,7 @@ def test_the_dry_run_passes_every_check_and_writes_the_json_and_png(tmp_path):
                       ("mini", "runtime")}  # fmt: skip
     assert report["skipped"] == [
         "--quick: P=4 with paci only",
+        "compiled blocks: on a GPU only",
         "--quick: mini runtime figures for 1f1b only",
     ]
     ttt = report["time_to_target"]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from nobubble.core.schedules import ScheduleInfo, ScheduleSpec
+from nobubble.engine.blocks import CHECKPOINTING
 from nobubble.engine.grad_fusion import check_fusable
 from nobubble.optim import CorrectionSpec, OptimConfig, optimizer_entry
 
@@ -192,7 +193,11 @@ class ComputeSpec:
     """How a stage computes: dtype "fp32" or "bf16" (autocast, fp32 master weights);
     paci_recompute (paci only): keep the stage input and recompute the forward at backward;
     fused_grad_accumulation: Linear and Embedding layers add their weight gradient into
-    ``.grad`` inside the backward (not with a split backward or data_parallel >= 2)."""
+    ``.grad`` inside the backward (not with a split backward or data_parallel >= 2);
+    activation_checkpointing: "none", "full" (every block keeps only its input and rebuilds its
+    activations at backward, reading the weights its forward read) or "selective" (every
+    ``selective_every``-th block, from the first); compile: torch.compile each block
+    (regional). Blocks: ``nobubble.model.blocks.stage_blocks``."""
 
     dtype: str = field(
         default="fp32", metadata={"help": "fp32 | bf16 (autocast, fp32 master weights)"}
@@ -209,10 +214,35 @@ class ComputeSpec:
         },
     )
 
+    activation_checkpointing: str = field(
+        default="none",
+        metadata={
+            "help": "none | full (recompute every block at backward) | selective (every "
+            "selective_every-th block)"
+        },
+    )
+    selective_every: int = field(
+        default=2, metadata={"help": "selective checkpointing: every k-th block, from the first"}
+    )
+    compile: bool = field(
+        default=False, metadata={"help": "torch.compile each block of each stage (regional)"}
+    )
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown: use one of {tuple(DTYPES)}")
-        for name in ("paci_recompute", "fused_grad_accumulation"):
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is unknown: use "
+                "one of " + ", ".join(repr(c) for c in CHECKPOINTING)
+            )
+        k = self.selective_every
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(
+                f"selective_every={k!r}: use an integer >= 1 (selective checkpointing "
+                "recomputes every k-th block of a stage)"
+            )
+        for name in ("paci_recompute", "fused_grad_accumulation", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -221,6 +251,24 @@ class ComputeSpec:
             raise ValueError(f"paci_recompute=True applies to paci only, not {info.name}")
         if self.fused_grad_accumulation:
             check_fusable(info.name, info.split_backward, data_parallel)
+        checkpointed = self.activation_checkpointing != "none"
+        if checkpointed and info.name == "paci" and not self.paci_recompute:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} with "
+                "schedule='paci': "
+                "paci's steps update the weights a forward read in place before its backward, so "
+                "a rebuilt block would read other weights than its forward did (the exact rebuild "
+                "needs a copy of every version in flight, the stash paci avoids); use "
+                "paci_recompute=True (the whole stage rebuilt at backward, on the live weights), "
+                "a stashing schedule (2bw, pipedream), or activation_checkpointing='none'"
+            )
+        if self.compile and info.split_backward:
+            raise ValueError(
+                f"compile=True with schedule={info.name!r}: its split backward runs autograd "
+                "twice over one graph (input gradients, then weight gradients, retain_graph), "
+                "which a compiled block's backward refuses; use a schedule without a split "
+                "backward (1f1b, paci, ...) or compile=False"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

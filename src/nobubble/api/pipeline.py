@@ -41,6 +41,7 @@ from nobubble.api.pipeline_state import PipelineState
 from nobubble.api.steps import FIRST_HORIZON, MicrobatchLoss, Observer, StepResult, dist_runner
 from nobubble.core.ir import ScheduleError
 from nobubble.engine import InProcessTransport, StageWorker
+from nobubble.engine.blocks import wrap_blocks
 from nobubble.engine.grad_fusion import fuse_grad_accumulation
 from nobubble.engine.tree import Tree
 from nobubble.optim import StageOptimizer, build_optimizer, optimizer_entry
@@ -69,7 +70,8 @@ class Pipeline(PipelineState, Evaluation):
     - runtime (``RuntimeSpec``): runtime ("emulate": every stage here; "dist": rank r's stages in
       process r, e.g. under torchrun, every process building the same stages and feeding the
       same batches), dist_timeout, backend, data_parallel, bucket_mb, shard.
-    - compute (``ComputeSpec``): dtype, paci_recompute, fused_grad_accumulation.
+    - compute (``ComputeSpec``): dtype, paci_recompute, fused_grad_accumulation,
+      activation_checkpointing, selective_every, compile.
     - init (``InitSpec``): seed, init, weights, device, for stages on the meta device.
     - steps: the total number of steps, when known (the last drain keeps no weight version for a
       batch that will not come); None: open-ended.
@@ -178,6 +180,8 @@ class Pipeline(PipelineState, Evaluation):
         self.local = everything if self.rank is None else list(where.stages_of(self.rank))
         # per local stage, the layers whose backward adds into .grad (fused_grad_accumulation)
         self.fused_layers: dict[int, list[str]] = {}
+        # per local stage, the blocks checkpointed or compiled (activation_checkpointing, compile)
+        self.wrapped_blocks: dict[int, list[str]] = {}
 
     def _worker(self, s: int) -> StageWorker:
         """Stage ``s``'s worker: its optimizer (over FSDP2's shards with shard="fsdp"), its
@@ -185,6 +189,10 @@ class Pipeline(PipelineState, Evaluation):
         config, module = self.config, self.stages[s]
         if config.compute.fused_grad_accumulation:
             self.fused_layers[s] = fuse_grad_accumulation(module)
+        compute = config.compute
+        self.wrapped_blocks[s] = wrap_blocks(
+            module, compute.activation_checkpointing, compute.selective_every, compute.compile, s
+        )
         # FSDP2 shards the stage now: its optimizer is built over the sharded parameters
         fsdp = (
             None

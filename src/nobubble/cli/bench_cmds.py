@@ -69,8 +69,9 @@ def cmd_bench_emulator(args: argparse.Namespace) -> int:
         steps=args.steps,
         rounds=args.rounds,
         schedules=tuple(args.schedule.split(",")),
+        compile=args.compile,
     )
-    per_round = 1 + len(cfg.schedules) * (2 if cfg.api else 1)
+    per_round = 1 + len(cfg.schedules) * (1 + cfg.api + cfg.compile)
     bar = tqdm(total=args.rounds * per_round, disable=args.json, leave=False)
 
     def progress(text: str) -> None:
@@ -113,6 +114,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> int:
         allocator=args.allocator,
         fused_adamw=args.fused_adamw,
         fused_grad_accumulation=args.fused_grad_accumulation,
+        activation_checkpointing=args.activation_checkpointing,
         where=args.where,
     )
 
@@ -174,6 +176,11 @@ def _add_emulator(bench: argparse._SubParsersAction) -> None:
     q.add_argument("--steps", type=positive_int, default=6, help="per round, first not timed")
     q.add_argument("--rounds", type=positive_int, default=3)
     q.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    q.add_argument(
+        "--compile",
+        action="store_true",
+        help="also each schedule through the Pipeline with its blocks compiled (compile-<name>)",
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_emulator)
 
@@ -266,6 +273,13 @@ def _add_memory(bench: argparse._SubParsersAction) -> None:
         action="store_true",
         help="train with the weight gradients added into .grad inside the backward (no fresh "
         "gradient per micro-batch; nobubble train --fused-grad-accumulation)",
+    )
+    q.add_argument(
+        "--activation-checkpointing",
+        default="none",
+        choices=["none", "full", "selective"],
+        help="train with each block's activations rebuilt at backward (activation_MiB shows "
+        "the peak it saves; nobubble train --activation-checkpointing)",
     )
     q.add_argument(
         "--where",

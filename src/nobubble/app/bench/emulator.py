@@ -42,6 +42,9 @@ class EmulatorBench:
     optimizer: str = "adamw"
     seed: int = 0
     api: bool = True  # also time each schedule through nobubble.Pipeline ("api-<name>")
+    # also through the Pipeline with each block torch.compile'd ("compile-<name>"); the first
+    # step of a round (the compile) is the untimed warm-up
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in self.schedules:
@@ -113,8 +116,9 @@ def emulator_steps(cfg: EmulatorBench, name: str) -> list[float]:
     return _time_steps(lambda j: emulator.run(j + 1), cfg.steps)
 
 
-def api_steps(cfg: EmulatorBench, name: str) -> list[float]:
-    """The same run through the public ``nobubble.Pipeline``: its overhead over the direct one."""
+def api_steps(cfg: EmulatorBench, name: str, compile: bool = False) -> list[float]:
+    """The same run through the public ``nobubble.Pipeline``: its overhead over the direct one
+    (``compile``: with its blocks compiled)."""
     from nobubble.api.pipeline import Pipeline
 
     mcfg = model_config(cfg.model, cfg.vocab_size, cfg.seq_len)
@@ -129,6 +133,7 @@ def api_steps(cfg: EmulatorBench, name: str) -> list[float]:
         optimizer=cfg.optimizer,
         lr=OptimConfig().lr,
         steps=cfg.steps,
+        compile=compile,
     )
     batch, m = _batches(cfg), cfg.microbatches
 
@@ -149,6 +154,8 @@ def bench_emulator(
         variants[name] = lambda name=name: emulator_steps(cfg, name)  # type: ignore[misc]
         if cfg.api:
             variants[f"api-{name}"] = lambda name=name: api_steps(cfg, name)  # type: ignore[misc]
+        if cfg.compile:
+            variants[f"compile-{name}"] = lambda name=name: api_steps(cfg, name, True)  # type: ignore[misc]
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(cfg.rounds):
         for key, run in variants.items():  # alternate: every round visits every variant

@@ -57,6 +57,8 @@ class MemoryBench:
     fused_adamw: bool = False  # AdamW's step without per-tensor scratch (OptimConfig.fused_adamw)
     # weight gradients added into .grad inside the backward (Pipeline's fused_grad_accumulation)
     fused_grad_accumulation: bool = False
+    # per block: "none", "full" or "selective" (nobubble train --activation-checkpointing)
+    activation_checkpointing: str = "none"
     where: bool = False  # each rank also samples where its peak happens (NOBUBBLE_PEAK_WHERE)
 
     def num_params(self) -> int:
@@ -102,6 +104,7 @@ def train_flags(cfg: MemoryBench, model: Path, stages: int, out: Path) -> list[s
         "--dist-timeout", "600", "--out", str(out), "--optimizer", "adamw",
         "--fused-adamw", str(cfg.fused_adamw).lower(),
         "--fused-grad-accumulation", str(cfg.fused_grad_accumulation).lower(),
+        "--activation-checkpointing", cfg.activation_checkpointing,
     ]  # fmt: skip
 
 
@@ -120,6 +123,8 @@ def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, A
                 "rank": m["rank"],
                 "params_M": round(m["params"] / 1e6, 2),
                 "weights_MiB": round(m["param_bytes"] / MIB),
+                # the most bytes of activations the rank held for backward at once
+                "activation_MiB": round(m["activation_bytes"] / MIB, 2),
                 "build_MiB": round((m["peak_after_model"] - base["peak_after_model"]) / MIB),
                 "idle_peak_MiB": round(base["peak_rss"] / MIB),
                 "peak_MiB": round(m["peak_rss"] / MIB),

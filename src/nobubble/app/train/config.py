@@ -66,7 +66,8 @@ class TrainConfig(TrainFields):
     ``ScheduleSpec`` schedule, microbatches, accum, virtual_stages; ``CorrectionSpec``
     correction, ef_lambda, delay_lr_steps, sync_warmup; optimizer, clip, clip_scope;
     ``RuntimeSpec`` runtime, dist_timeout, data_parallel, bucket_mb, shard; ``ComputeSpec``
-    dtype, paci_recompute, fused_grad_accumulation). What only a run has:
+    dtype, paci_recompute, fused_grad_accumulation, activation_checkpointing, selective_every,
+    compile). What only a run has:
 
     stages: pipeline ranks P (the stages too, but for interleaved-1f1b, v·P, and zbv, 2P).
     micro_batch_size: sequences per micro-batch, per replica: the run reads global micro-batches

@@ -57,6 +57,9 @@ class TrainFields:
     paci_recompute: bool = False
     fused_adamw: bool = False
     fused_grad_accumulation: bool = False
+    activation_checkpointing: str = "none"
+    selective_every: int = 2
+    compile: bool = False
     eval_every: int = 50
     eval_batches: int = 8
     checkpoint_every: int = 0
