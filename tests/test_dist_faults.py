@@ -35,7 +35,10 @@ from _dist_helpers import (
 from nobubble.app.train.metrics import read_metrics
 
 DIST_TIMEOUT = 20.0
-LONG_STEPS = 100
+# 25 steps after the first checkpoint (step 5): about a second of training on the 2-core
+# machine, to land the signal in (test_dist_data_parallel.py leaves 5); the resume and the
+# emulated reference train every step, so a longer run is only slower
+LONG_STEPS = 30
 
 
 # ----- 1. faults ----------------------------------------------------------------------------------

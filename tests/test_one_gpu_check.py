@@ -63,7 +63,8 @@ def test_the_dry_run_passes_every_check_and_writes_the_json_and_png(tmp_path):
         label = f"P={stages} {schedule} bf16"
         assert checks[f"{label} runtime vs emulator on cpu"]["bitwise"], label
         assert len(checks[f"{label} measured timeline"]["utilization"]) == stages
-    assert checks["P=2 paci resume"]["gap"] == 0.0
+    resume = checks["P=2 paci resume"]  # the dry run resumes the P=2 paci run of the grid
+    assert resume["gap"] == 0.0 and "stopped at step 4" in resume["detail"], resume["detail"]
     for name in ("emulator P=4 paci cpu bf16 vs cpu fp32", "HostClock times the work"):
         assert name in checks
     models = {(f["model"], f["runtime"]) for f in report["throughput"] if f["tokens_per_s"]}
@@ -72,7 +73,7 @@ def test_the_dry_run_passes_every_check_and_writes_the_json_and_png(tmp_path):
     assert report["skipped"] == [
         "--quick: P=4 with paci only",
         "compiled blocks: on a GPU only",
-        "--quick: mini runtime figures for 1f1b only",
+        "--quick: mini figures for 1f1b only",
     ]
     ttt = report["time_to_target"]
     assert ttt["status"] == "measured" and ttt["by_depth"]["P=2"]["vs_1f1b"]["1f1b"] == 1.0

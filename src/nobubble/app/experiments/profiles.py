@@ -92,8 +92,8 @@ QUICK = Profile(
         "seq_len": 32,
         "micro_batch_size": 4,
         "microbatches": 4,
-        "steps": 8,
-        "eval_every": 4,
+        "steps": 4,  # two validations: the fewest a time to a target is read from
+        "eval_every": 2,
         "eval_batches": 2,
     },
     optimizers=("adamw", "muon"),
