@@ -33,7 +33,8 @@ COMMAND_FLAGS = {
     "ledger": "--accum --drain-every --from-json --from-torch-csv --help --json --microbatches "
     "--schedule --stages --steps --summary-only --virtual-stages",
     "simulate": "--accum --activation-bytes --allreduce --bandwidth --bwd --drain-every "
-    "--from-json --from-torch-csv --fwd --help --json --latency --microbatches --plot --schedule --stages "
+    "--from-json --from-torch-csv --fwd --help --json --latency --microbatches --plot --schedule "
+    "--stages "
     "--step-cost --steps --trace --virtual-stages --wgrad",
     "bench sim": "--accum --help --json --microbatches --schedule --stages --steps",
     "bench emulator": "--help --json --micro-batch-size --microbatches --model --rounds "

@@ -43,10 +43,6 @@ from nobubble.runtime.distributed.clock import CudaClock, HostClock
 from nobubble.runtime.distributed.data_parallel import overlap
 
 
-class RankFailure(RuntimeError):
-    """This rank could not continue; the message names rank, action and the resume point."""
-
-
 class RankRun:
     def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
@@ -362,6 +358,5 @@ class RankRun:
 
 
 __all__ = [
-    "RankFailure",
     "RankRun",
 ]

@@ -1,4 +1,5 @@
-"""Checkpoints at drain points (design.md section 5): one part per stage plus a manifest.
+"""Checkpoints at drain points (docs/semantics.md, "Schedule fields"): one part per stage plus
+a manifest.
 
 Layout of ``RUN/checkpoint/``, for P stages:
 

@@ -1,9 +1,9 @@
 """``nobubble train``: the training loop around the emulator, with evaluation, checkpoints and a
 run directory holding the resolved config, metrics, TensorBoard events, ledger and a sample.
 
-The loop runs the schedule from drain point to drain point (design.md section 5): there every
-stage holds the same weight version, so validation sees one well-defined model and a checkpoint
-holds no micro-batch in flight.
+The loop runs the schedule from drain point to drain point (docs/semantics.md, "Schedule
+fields"): there every stage holds the same weight version, so validation sees one well-defined
+model and a checkpoint holds no micro-batch in flight.
 """
 
 from __future__ import annotations
