@@ -36,9 +36,8 @@ from nobubble.app.train.trainer import (
     validation_loss,
 )
 from nobubble.core.host_memory import PeakSampler, peak_rss_bytes, rss_bytes
-from nobubble.core.ir import Action
 from nobubble.core.sim.metrics import measured_utilization
-from nobubble.engine import Interpreter, misplaced
+from nobubble.engine import misplaced
 from nobubble.runtime.distributed.clock import CudaClock, HostClock
 from nobubble.runtime.distributed.data_parallel import overlap
 
@@ -107,26 +106,9 @@ class RankRun:
         # failure there names the meeting and the ranks it waits for, not the last action.
         self.meeting: tuple[str, list[int]] | None = None
 
-    # ----- the pipeline's runner: its transport, interpreter and position ------------------------
-    @property
-    def runner(self) -> Any:
-        return self.pipe.emulator
-
-    @property
-    def transport(self) -> Any:
-        return self.runner.transport
-
-    @property
-    def interpreter(self) -> Interpreter:
-        return self.runner.interpreter
-
-    @property
-    def current(self) -> Action | None:
-        return self.runner.current
-
-    @property
-    def position(self) -> int:
-        return int(self.runner.pointer[self.pp])
+    def where(self) -> Any:
+        """This rank's position, its action and the peer it waits for (``RankPosition``)."""
+        return self.pipe.where()
 
     # ----- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult | None:
@@ -175,7 +157,6 @@ class RankRun:
             x, y = torch.cat([a for a, _ in pieces]), torch.cat([b for _, b in pieces])
             self._collect(self.pipe.step(x, y))
         self._collect(self.pipe.drain())  # runs through this rank's STEP `step`, sends done
-        self.clock.settle(self.interpreter)  # a GPU's spans become seconds here
 
     def _on_step(self, number: int) -> None:
         if number not in self.step_times:  # a rank with several stages takes a STEP for each
@@ -196,8 +177,9 @@ class RankRun:
         entered = time.time()
         self.meeting = f"running the pipelined validation after step {step}", self._neighbours()
         val_loss = validation_loss(self.pipe, self.cfg, self.data)
-        segment = self.interpreter.spans[self.segment_start :]
-        self.segment_start = len(self.interpreter.spans)
+        spans = self.pipe.spans()  # settled: a GPU's spans are seconds after each drain
+        segment = spans[self.segment_start :]
+        self.segment_start = len(spans)
         mine = {
             "stages": self.local,
             "grad_norms": self.grad_norms,
@@ -327,7 +309,8 @@ class RankRun:
         meeting = getattr(self, "meeting", None)  # set once the run starts
         if meeting is not None:
             return str(meeting[0])
-        return f"running {self.current or 'between actions'}"
+        current = self.where().current if getattr(self, "pipe", None) is not None else None
+        return f"running {current or 'between actions'}"
 
     def _finish(self) -> RunResult | None:
         self.meeting = "sampling text through the stages", self._neighbours()
@@ -338,12 +321,12 @@ class RankRun:
             where = dict(zip(("sampled_peak", "peak_where"), self.peak_sampler.stop(), strict=True))
         mine = {
             "stages": self.local,
-            "spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
-            "comm": [(k, str(a), s, e) for k, a, s, e in self.interpreter.comm],
+            "spans": [(str(a), s, e) for a, s, e in self.pipe.spans()],
+            "comm": [(k, str(a), s, e) for k, a, s, e in self.pipe.comm_spans()],
             "peaks": [
                 (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live) for w in self.workers
             ],
-            "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
+            "allreduce": overlap(self.pipe.allreduce_spans()),
             "memory": {
                 "rank": self.rank,
                 **rank_memory(self.workers, self.rss_before_model, self.peak_after_model),

@@ -22,6 +22,7 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,6 @@ from nobubble.app.train.trainer import (
     RunResult,
 )
 from nobubble.core.ir import STEP
-from nobubble.runtime.distributed.transport import StrictTransport
 from nobubble.runtime.distributed.waits import shutdown
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,8 @@ def run_rank(cfg: TrainConfig) -> RunResult | None:
 
 
 def _close(run: RankRun | None) -> None:
-    if run is not None and isinstance(run.transport, StrictTransport):
-        run.transport.close()  # its stream thread ends here, not at interpreter exit
+    if run is not None and getattr(run, "pipe", None) is not None:
+        run.pipe.close_transport()  # a strict stream's thread ends here, not at interpreter exit
 
 
 def _coordinates(cfg: TrainConfig, rank: int, run: RankRun | None = None) -> str:
@@ -126,6 +126,11 @@ def _coordinates(cfg: TrainConfig, rank: int, run: RankRun | None = None) -> str
     return f"{rank} (dp {dp}, pp {pp}: {stages})"
 
 
+def _position(run: RankRun | None) -> Any:
+    """Where the rank's runner stands, once the pipeline is built (``RankPosition``)."""
+    return run.where() if run is not None and getattr(run, "pipe", None) is not None else None
+
+
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:
     where = "during setup"
     if run is not None and getattr(run, "meeting", None) is not None:
@@ -133,21 +138,20 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         what, ranks = run.meeting
         names = ", ".join(_coordinates(cfg, r, run) for r in ranks)
         where = f"while {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
-    elif run is not None and getattr(run, "pipe", None) is not None and run.current is not None:
-        peer = run.transport.peer_of_last_wait  # a stage of this replica
-        posted = getattr(run.transport, "peers_of_failed_post", [])  # global ranks
+    elif run is not None and (at := _position(run)) is not None and at.current is not None:
+        peer, posted = at.waiting_for, at.posting_to  # a stage of this replica; global ranks
         waiting = ""
         if peer is not None:
             waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.stages + peer, run)}"
         elif posted:
             names = ", ".join(_coordinates(cfg, r, run) for r in posted)
             waiting = f", posting its transfers with rank{'s' if len(posted) > 1 else ''} {names}"
-        elif cfg.data_parallel > 1 and (run.current.kind == STEP or cfg.shard != "none"):
+        elif cfg.data_parallel > 1 and (at.current.kind == STEP or cfg.shard != "none"):
             peers = [d * cfg.stages + run.pp for d in range(cfg.data_parallel) if d != run.dp]
             names = ", ".join(_coordinates(cfg, r, run) for r in peers)
             what = "all-reduce" if cfg.shard == "none" else "collectives of the sharded stage"
             waiting = f", in the dp {what} with rank{'s' if len(peers) > 1 else ''} {names}"
-        where = f"at position {run.position} ({run.current}){waiting}"
+        where = f"at position {at.position} ({at.current}){waiting}"
     run_dir = run.run_dir if run is not None else (cfg.resume or cfg.out)
     try:
         step = read_manifest(Path(str(run_dir)))["step"] if run_dir else None
