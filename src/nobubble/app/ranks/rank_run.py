@@ -45,7 +45,7 @@ from nobubble.runtime.distributed.data_parallel import overlap
 class RankRun:
     def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
-        P = self.num_ranks = cfg.stages  # pipeline ranks per replica
+        P = self.num_ranks = cfg.num_stages  # pipeline ranks per replica
         # rank: the global rank; pp and dp: its coordinates on the (dp, pp) mesh
         self.rank, self.pp, self.dp = env.rank, env.rank % P, env.rank // P
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
@@ -55,11 +55,11 @@ class RankRun:
         dist.broadcast_object_list(run_dir, src=0, group=self.objects)  # one directory for all
         self.run_dir = Path(run_dir[0])
         self.start_step, manifest = 0, None
-        if cfg.resume:
+        if cfg.launch.resume:
             manifest = read_manifest(self.run_dir)
             check_resumable(manifest, cfg, self.run_dir)
             self.start_step = manifest["step"]
-            check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
+            check_work_left(self.start_step, cfg.run.stop_at or cfg.run.steps, self.run_dir)
         if self.rank != 0:
             self._barrier()  # rank 0 fills the data cache first (tokenizer training, encoding)
         self.data = load_data(cfg)
@@ -80,7 +80,7 @@ class RankRun:
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
         # the runner checks what every rank will post under NCCL's rules before it runs it
         observe = Observer(
-            record=True, clock=self.clock, strict_p2p=cfg.strict_p2p, on_step=self._on_step
+            record=True, clock=self.clock, strict_p2p=cfg.launch.strict_p2p, on_step=self._on_step
         )
         self.pipe = make_pipeline(self.plan, stages, observe)
         assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
@@ -115,11 +115,11 @@ class RankRun:
         from tqdm import tqdm
 
         writer = self._open_run_dir()
-        show = self.rank == self.last and self.cfg.progress
+        show = self.rank == self.last and self.cfg.launch.progress
         self.bar = bar = tqdm(
-            total=self.cfg.steps,
+            total=self.cfg.run.steps,
             initial=self.start_step,
-            desc=f"{self.cfg.schedule} (dist, {self.env.world_size} ranks)",
+            desc=f"{self.cfg.schedule.schedule} (dist, {self.env.world_size} ranks)",
             unit="step",
             disable=not show,
             leave=False,
@@ -129,7 +129,7 @@ class RankRun:
         self.t0 = float(start_time[0]) - self._resumed_elapsed()
         # validations and checkpoints so far: off the training clock (train_s = elapsed - paused)
         self.paused_s = self._resumed_elapsed() - self._resumed_train()
-        stop = self.cfg.stop_at or self.cfg.steps
+        stop = self.cfg.run.stop_at or self.cfg.run.steps
         try:
             done = self.start_step
             for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
@@ -145,7 +145,7 @@ class RankRun:
     def _run_until(self, done: int, step: int) -> None:
         """Feed batches ``done`` .. ``step - 1`` and drain after step ``step``."""
         m = self.cfg.num_microbatches
-        b, d = self.cfg.micro_batch_size, self.cfg.data_parallel
+        b, d = self.cfg.run.micro_batch_size, self.cfg.runtime.data_parallel
         for j in range(done, step):
             # replica r's micro-batch i: the r-th slice of global micro-batch i (D·b sequences)
             pieces = [
@@ -196,12 +196,12 @@ class RankRun:
         if self.rank == self.last:
             self._write_records(step, gathered, val_loss, writer)
         self.grad_norms, self.step_times = {}, {}
-        every = self.cfg.checkpoint_every
-        if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
+        every = self.cfg.run.checkpoint_every
+        if step in (self.cfg.run.steps, self.cfg.run.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
             # one part per stage, written by dp 0; a sharded stage's part is gathered from its
             # dp group first (whole tensors, the replicated format), so every replica takes part
-            if self.dp == 0 or self.cfg.shard != "none":
+            if self.dp == 0 or self.cfg.runtime.shard != "none":
                 for worker in self.workers:
                     part = worker.state_dict(copy=False)  # written at once: no copy
                     if self.dp == 0:
@@ -236,7 +236,7 @@ class RankRun:
         val_loss: float | None,
         writer: MetricsWriter | None,
     ) -> None:
-        m, P, D = self.cfg.num_microbatches, self.num_ranks, self.cfg.data_parallel
+        m, P, D = self.cfg.num_microbatches, self.num_ranks, self.cfg.runtime.data_parallel
         done = sorted(gathered[self.last]["times"])
         for j in done:
             # a micro-batch's loss: the mean of its D slices' (equal-size means), replica order
@@ -267,7 +267,7 @@ class RankRun:
             self._barrier()
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not self.cfg.resume:
+        if not self.cfg.launch.resume:
             payload = {
                 "config": self.cfg.to_json(),
                 "provenance": provenance(),

@@ -143,22 +143,21 @@ def check_resumable(manifest: dict[str, Any], cfg: Any, where: Path) -> None:
     now = cfg.global_micro_batch_size
     if saved != now:
         hint = (
-            f"--micro-batch-size {saved // cfg.data_parallel} at --data-parallel "
-            f"{cfg.data_parallel}"
-            if isinstance(saved, int) and saved % cfg.data_parallel == 0
+            f"--micro-batch-size {saved // cfg.runtime.data_parallel} at --data-parallel "
+            f"{cfg.runtime.data_parallel}"
+            if isinstance(saved, int) and saved % cfg.runtime.data_parallel == 0
             else f"a --data-parallel that divides {saved}"
         )
         raise CheckpointError(
             f"the checkpoint in {str(where)!r} trained global micro-batches of {saved} sequences; "
-            f"--micro-batch-size {cfg.micro_batch_size} × --data-parallel {cfg.data_parallel} "
-            f"= {now} would change the run: use {hint}"
+            f"--micro-batch-size {cfg.run.micro_batch_size} × --data-parallel "
+            f"{cfg.runtime.data_parallel} = {now} would change the run: use {hint}"
         )
-    # a field added since the checkpoint was written ran at its default there
-    defaults = {
-        k: v for k, v in type(cfg)().fingerprint().items() if k not in manifest["fingerprint"]
-    }
+    # under today's key names; a field added since the checkpoint was written ran at its default
+    written = type(cfg).normalized(manifest["fingerprint"])
+    defaults = {k: v for k, v in type(cfg)().fingerprint().items() if k not in written}
     check_fingerprint(
-        {**manifest, "fingerprint": {**defaults, **manifest["fingerprint"]}},
+        {**manifest, "fingerprint": {**defaults, **written}},
         cfg.fingerprint(),
         where,
     )
