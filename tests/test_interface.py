@@ -11,6 +11,7 @@ import argparse
 import pytest
 
 from nobubble.api.config import ALIASES, PipelineConfig
+from nobubble.app.train.checkpoint import CheckpointError, check_resumable
 from nobubble.app.train.config import NOT_KEYS, TrainConfig
 from nobubble.app.train.flags import FLAG_NAMES, build_train_parser
 from nobubble.cli import build_parser
@@ -122,13 +123,18 @@ def test_a_run_holds_the_pipelines_specs_and_routes_each_key_to_its_field():
     assert config.to_json()["num_stages"] == config.num_stages == 2
 
 
-def test_former_config_keys_still_load():
+def test_former_config_keys_still_load(tmp_path):
     """A config file, run key or checkpoint written before num_stages was P's one name."""
     assert TrainConfig.from_mapping({"stages": 3}).num_stages == 3
     assert TrainConfig.normalized({"stages": 3, "ef-lambda": 0.5}) == {
         "num_stages": 3,
         "ef_lambda": 0.5,
     }
+    config = TrainConfig.of(num_stages=3)
+    written = {("stages" if k == "num_stages" else k): v for k, v in config.fingerprint().items()}
+    check_resumable({"fingerprint": written}, config, tmp_path)  # an old checkpoint resumes
+    with pytest.raises(CheckpointError, match="stages: checkpoint 3 vs now 2"):
+        check_resumable({"fingerprint": written}, TrainConfig(), tmp_path)
 
 
 def test_former_keywords_are_accepted_as_the_one_name():
