@@ -52,8 +52,8 @@ def test_the_configs_of_the_tests_and_benchmarks_fit_a_small_machine(monkeypatch
     monkeypatch.setattr(nobubble.core.util, "physical_memory_bytes", lambda: 8 * GiB)
     TrainConfig()
     TrainConfig.of(model="medium", vocab_size=2048, micro_batch_size=4, seq_len=128)
-    TrainConfig.of(model="small", num_stages=2, microbatches=4, micro_batch_size=8, seq_len=128)
-    TrainConfig.of(model="mini", schedule="pipedream", num_stages=8, accum=1, micro_batch_size=16)
+    TrainConfig.of(model="small", num_ranks=2, microbatches=4, micro_batch_size=8, seq_len=128)
+    TrainConfig.of(model="mini", schedule="pipedream", num_ranks=8, accum=1, micro_batch_size=16)
 
 
 def test_the_weights_alone_can_be_too_large(laptop):
@@ -109,7 +109,7 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    cfg = TrainConfig.of(num_stages=4, runtime="dist", device="cuda")
+    cfg = TrainConfig.of(num_ranks=4, runtime="dist", device="cuda")
     with pytest.raises(ValueError, match="4 ranks on this machine need 4 GPUs, but 2 are visible"):
         resolve_device(cfg, local_rank=0, local_world_size=4)
     assert resolve_device(cfg, 1, 2) == (torch.device("cuda", 1), "nccl")
@@ -123,7 +123,7 @@ def test_gloo_lets_ranks_share_the_gpus(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    cfg = TrainConfig.of(num_stages=4, runtime="dist", device="cuda", backend="gloo")
+    cfg = TrainConfig.of(num_ranks=4, runtime="dist", device="cuda", backend="gloo")
     assert [resolve_device(cfg, r, 4) for r in range(4)] == [(torch.device("cuda", 0), "gloo")] * 4
 
 

@@ -115,8 +115,8 @@ def trained_parts(setup) -> list[dict]:
     error-feedback buffer and two stashed weight versions."""
     cfg, _, _ = setup
     workers = workers_on(setup, torch.device("cpu"))
-    transport = InProcessTransport(cfg.num_stages)
-    interpreters = [Interpreter([w], transport, cfg.num_stages) for w in workers]
+    transport = InProcessTransport(cfg.num_ranks)
+    interpreters = [Interpreter([w], transport, cfg.num_ranks) for w in workers]
     Emulator(make_schedule(cfg), interpreters, transport).run(cfg.run.steps)
     return [w.state_dict() for w in workers]
 

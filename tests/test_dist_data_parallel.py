@@ -326,7 +326,7 @@ def test_a_failure_at_a_meeting_names_every_rank_it_waited_for_by_its_coordinate
         raise SystemExit(code)
 
     monkeypatch.setattr(runtime.os, "_exit", leave)
-    cfg = TrainConfig.of(num_stages=STAGES, data_parallel=REPLICAS, runtime="dist")
+    cfg = TrainConfig.of(num_ranks=STAGES, data_parallel=REPLICAS, runtime="dist")
     run = SimpleNamespace(meeting=("writing the checkpoint of step 5", [0, 2, 3]), run_dir=None)
     with pytest.raises(SystemExit):
         runtime._fail(SimpleNamespace(rank=1), cfg, run, RuntimeError("Connection closed by peer"))
@@ -361,7 +361,7 @@ def test_a_send_refused_by_a_dead_peer_names_that_peer_by_its_coordinates(monkey
         raise SystemExit(code)
 
     monkeypatch.setattr(runtime.os, "_exit", leave)
-    cfg = TrainConfig.of(num_stages=STAGES, data_parallel=REPLICAS, runtime="dist")
+    cfg = TrainConfig.of(num_ranks=STAGES, data_parallel=REPLICAS, runtime="dist")
     run = SimpleNamespace(
         meeting=None,
         run_dir=None,

@@ -112,7 +112,7 @@ def test_a_pipeline_keyword_a_run_sets_has_the_flags_name():
 def test_a_run_holds_the_pipelines_specs_and_routes_each_key_to_its_field():
     """TrainConfig contains the specs, not a copy of their fields: a key the pipeline reads
     lands on the field of the spec that owns it, and the pipeline gets those very specs."""
-    config = TrainConfig.of(schedule="zbv", num_stages=2, correction="none", dtype="bf16")
+    config = TrainConfig.of(schedule="zbv", num_ranks=2, correction="none", dtype="bf16")
     owners = PipelineConfig.keywords()
     held = ("schedule", "correction", "runtime", "compute")
     for keyword, (section, name) in TrainConfig.key_map().items():
@@ -120,20 +120,20 @@ def test_a_run_holds_the_pipelines_specs_and_routes_each_key_to_its_field():
             assert (section, name) == (owners[keyword], keyword)
     for part in held:
         assert getattr(config.pipeline_config(), part) == getattr(config, part)
-    assert config.to_json()["num_stages"] == config.num_stages == 2
+    assert config.to_json()["num_ranks"] == config.num_ranks == 2
 
 
 def test_former_config_keys_still_load(tmp_path):
-    """A config file, run key or checkpoint written before num_stages was P's one name."""
-    assert TrainConfig.from_mapping({"stages": 3}).num_stages == 3
+    """A config file, run key or checkpoint written before num_ranks was P's one name."""
+    assert TrainConfig.from_mapping({"stages": 3}).num_ranks == 3
     assert TrainConfig.normalized({"stages": 3, "ef-lambda": 0.5}) == {
-        "num_stages": 3,
+        "num_ranks": 3,
         "ef_lambda": 0.5,
     }
-    config = TrainConfig.of(num_stages=3)
-    written = {("stages" if k == "num_stages" else k): v for k, v in config.fingerprint().items()}
+    config = TrainConfig.of(num_ranks=3)
+    written = {("stages" if k == "num_ranks" else k): v for k, v in config.fingerprint().items()}
     check_resumable({"fingerprint": written}, config, tmp_path)  # an old checkpoint resumes
-    with pytest.raises(CheckpointError, match="stages: checkpoint 3 vs now 2"):
+    with pytest.raises(CheckpointError, match="num_ranks: checkpoint 3 vs now 2"):
         check_resumable({"fingerprint": written}, TrainConfig(), tmp_path)
 
 
@@ -179,7 +179,7 @@ def test_a_refusal_reads_the_same_from_the_command_line_and_from_python(options)
     import nobubble
 
     with pytest.raises(ValueError) as from_cli:
-        TrainConfig.of(num_stages=3, **options)
+        TrainConfig.of(num_ranks=3, **options)
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
     with pytest.raises(ValueError) as from_api:
         nobubble.Pipeline(list(model), nn.functional.mse_loss, **options)

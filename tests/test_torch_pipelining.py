@@ -165,8 +165,8 @@ def emulator_grads(cfg: TrainConfig, schedule: str) -> dict[str, torch.Tensor]:
         )
         for module in make_stages(plan)
     ]
-    transport = InProcessTransport(cfg.num_stages)
-    interpreters = [Interpreter([w], transport, cfg.num_stages, cfg.global_clip) for w in workers]
+    transport = InProcessTransport(cfg.num_ranks)
+    interpreters = [Interpreter([w], transport, cfg.num_ranks, cfg.global_clip) for w in workers]
     Emulator(schedule, interpreters, transport).run(1)
     return {n: g for w in workers for n, g in w.recorded.items()}
 

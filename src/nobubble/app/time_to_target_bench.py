@@ -120,12 +120,12 @@ def run_race(cfg: RaceConfig) -> dict[str, Any]:
     first = races["equal steps"]
     if cfg.check_projection:
         first["projection_check"] = check_projection(out, variants, seeds, first)
-    p, m = train.num_stages, train.schedule.microbatches
+    p, m = train.num_ranks, train.schedule.microbatches
     title = f"P={p}, M={m}, {train.optimizer.optimizer}, seeds {seeds}"
-    figure = plot_curves(races, title, out / f"loss-vs-time-P{train.num_stages}.png")
+    figure = plot_curves(races, title, out / f"loss-vs-time-P{train.num_ranks}.png")
     for one in races.values():
         one |= {
-            "stages": train.num_stages,
+            "stages": train.num_ranks,
             "microbatches": train.schedule.microbatches,
             "skipped": skipped,
         }

@@ -134,7 +134,7 @@ class RuntimeBench:
         return TrainConfig.of(
             schedule=name,
             virtual_stages=virtual_stages,
-            num_stages=self.stages,
+            num_ranks=self.stages,
             microbatches=self.microbatches,
             accum=self.microbatches if SCHEDULES[name].uses_accum else None,
             micro_batch_size=self.micro_batch_size,
@@ -201,7 +201,7 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
             train_argv(cfg, skip=("schedule",)),
             variant,
             out / "result.json",
-            cfg.num_stages,
+            cfg.num_ranks,
             log,
             malloc=ALLOCATORS[bench.allocator][1],
         )

@@ -66,11 +66,11 @@ def _projected_seconds(
     from nobubble.core.sim import CostModel, simulate
 
     saved = json.loads((run.run_dir / "config.json").read_text())["config"]
-    cfg = TrainConfig.normalized(saved)  # a run saved before num_stages was P's name: "stages"
+    cfg = TrainConfig.normalized(saved)  # a run saved before num_ranks was P's name: "stages"
     drain = None if cfg["schedule"] == "1f1b" else cfg["eval_every"]
     schedule = build_schedule(
         cfg["schedule"],
-        cfg["num_stages"],
+        cfg["num_ranks"],
         cfg["microbatches"],
         steps,
         cfg["accum"],

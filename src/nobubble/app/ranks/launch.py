@@ -78,12 +78,12 @@ def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, s
 
 
 def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
-    """Run ``cfg`` on P × D local processes (``num_stages`` × ``data_parallel``); ``argv`` are
+    """Run ``cfg`` on P × D local processes (``num_ranks`` × ``data_parallel``); ``argv`` are
     the user's train flags."""
     from nobubble.app.ranks.runtime import resolve_device
     from nobubble.app.train.assemble import load_data
 
-    world = cfg.num_stages * cfg.runtime.data_parallel
+    world = cfg.num_ranks * cfg.runtime.data_parallel
     resolve_device(cfg, 0, world)  # a missing GPU is refused here, before any process starts
     if cfg.launch.resume:  # so are a finished run and a checkpoint of another run (or global batch)
         manifest = read_manifest(Path(cfg.launch.resume))
@@ -99,7 +99,7 @@ def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
     for rank in range(world):
         env = rank_env(rank, world, port, NOBUBBLE_LAUNCHED="1")
         command = [sys.executable, "-m", "nobubble", "train", *args, "--runtime", "dist"]
-        if rank != cfg.num_stages - 1:  # the writer (the last stage of replica 0) shows progress
+        if rank != cfg.num_ranks - 1:  # the writer (the last stage of replica 0) shows progress
             command.append("--no-progress")
         procs.append(subprocess.Popen(command, env=env))
     failed = _watch(procs)

@@ -45,7 +45,7 @@ from nobubble.runtime.distributed.data_parallel import overlap
 class RankRun:
     def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
-        P = self.num_ranks = cfg.num_stages  # pipeline ranks per replica
+        P = self.num_ranks = cfg.num_ranks  # pipeline ranks per replica
         # rank: the global rank; pp and dp: its coordinates on the (dp, pp) mesh
         self.rank, self.pp, self.dp = env.rank, env.rank % P, env.rank // P
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.

@@ -80,9 +80,9 @@ def resolve_device(
 def run_rank(cfg: TrainConfig) -> RunResult | None:
     """Entry point of one process (torchrun or ``nobubble train --runtime dist``)."""
     env = RankEnv.from_environ()
-    world = cfg.num_stages * cfg.runtime.data_parallel
+    world = cfg.num_ranks * cfg.runtime.data_parallel
     if env.world_size != world:
-        layout = f"--stages {cfg.num_stages}"
+        layout = f"--stages {cfg.num_ranks}"
         if cfg.runtime.data_parallel > 1:
             layout += f" × --data-parallel {cfg.runtime.data_parallel} = {world}"
         raise ValueError(
@@ -123,7 +123,7 @@ def _close(run: RankRun | None) -> None:
 def _coordinates(cfg: TrainConfig, rank: int, run: RankRun | None = None) -> str:
     """``3 (dp 1, pp 1: stage 1)``: a global rank, its place on the (dp, pp) mesh and the
     stages it runs (several in interleaved and V placements, once the plan is known)."""
-    dp, pp = divmod(rank, cfg.num_stages)
+    dp, pp = divmod(rank, cfg.num_ranks)
     plan = getattr(run, "plan", None)
     local = plan.placement.stages_of(pp) if plan is not None else (pp,)
     stages = f"stage {local[0]}" if len(local) == 1 else "stages " + ", ".join(map(str, local))
@@ -146,7 +146,7 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         peer, posted = at.waiting_for, at.posting_to  # a stage of this replica; global ranks
         waiting = ""
         if peer is not None:
-            waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.num_stages + peer, run)}"
+            waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.num_ranks + peer, run)}"
         elif posted:
             names = ", ".join(_coordinates(cfg, r, run) for r in posted)
             waiting = f", posting its transfers with rank{'s' if len(posted) > 1 else ''} {names}"
@@ -154,7 +154,7 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
             at.current.kind == STEP or cfg.runtime.shard != "none"
         ):
             peers = [
-                d * cfg.num_stages + run.pp for d in range(cfg.runtime.data_parallel) if d != run.dp
+                d * cfg.num_ranks + run.pp for d in range(cfg.runtime.data_parallel) if d != run.dp
             ]
             names = ", ".join(_coordinates(cfg, r, run) for r in peers)
             what = (

@@ -121,7 +121,7 @@ def peer_placement(cfg: TrainConfig) -> Placement:
     """Which stages each rank holds: the placement of ``cfg.schedule.schedule``, as torch maps them
     (``generate_stage_to_rank_mapping``: "loop" for the interleaved classes, "v" for ZBV)."""
     info = SCHEDULES[cfg.schedule.schedule]
-    return Placement(info.placement, cfg.num_stages, cfg.model_stages // cfg.num_stages)
+    return Placement(info.placement, cfg.num_ranks, cfg.model_stages // cfg.num_ranks)
 
 
 def batch_of(data: TokenData, j: int, m: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +136,10 @@ class PeerRun:
     def __init__(self, cfg: TrainConfig, schedule: str, device: torch.device) -> None:
         self.cfg = peer_config(cfg, schedule)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.world != cfg.num_stages:
+        if self.world != cfg.num_ranks:
             raise ValueError(
-                f"world size {self.world} does not match --stages {cfg.num_stages}: start "
-                f"{cfg.num_stages} processes or set --stages {self.world}"
+                f"world size {self.world} does not match --stages {cfg.num_ranks}: start "
+                f"{cfg.num_ranks} processes or set --stages {self.world}"
             )
         self.device = device
         self.data = load_data(self.cfg)
@@ -251,8 +251,8 @@ def result_of(run: PeerRun, schedule: str, gathered: list[Any]) -> dict:
     tokens = (cfg.run.steps - warm) * cfg.tokens_per_step
     return {
         "schedule": schedule,
-        "stages": cfg.num_stages,
-        "stages_per_rank": cfg.model_stages // cfg.num_stages,
+        "stages": cfg.num_ranks,
+        "stages_per_rank": cfg.model_stages // cfg.num_ranks,
         "microbatches": run.m,
         "steps": cfg.run.steps,
         "warmup_steps": warm,

@@ -65,7 +65,7 @@ def make_schedule(cfg: TrainConfig) -> Schedule:
     spec = cfg.schedule
     drain = None if spec.info.synchronous else cfg.run.eval_every
     schedule = spec.generate(
-        cfg.num_stages,
+        cfg.num_ranks,
         cfg.run.steps,
         drain_every=drain,
         sync_warmup=cfg.sync_warmup_steps,
@@ -76,7 +76,7 @@ def make_schedule(cfg: TrainConfig) -> Schedule:
 
 
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
-    placement = cfg.schedule.placement(cfg.num_stages)
+    placement = cfg.schedule.placement(cfg.num_ranks)
     if cfg.model.is_hf:
         _check_hf_vocab(cfg, vocab_size)
         return Plan(cfg, placement, None, [])

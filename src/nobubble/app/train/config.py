@@ -63,7 +63,7 @@ RUNTIME_ONLY = (
     "shard",  # a sharded stage's checkpoint is gathered: the replicated format
 )
 # A former key -> its one name (config files, checkpoints and run keys written before it load).
-KEY_ALIASES = {"stages": "num_stages"}
+KEY_ALIASES = {"stages": "num_ranks"}
 # Spec fields a run does not take from its keys: the launcher's backend is ``LaunchSpec``'s (the
 # pipeline uses the process group the launcher started).
 NOT_KEYS = {("runtime", "backend")}
@@ -72,7 +72,7 @@ NOT_KEYS = {("runtime", "backend")}
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run: the pipeline's specs and the run's sections. Build one from flat keys
-    with ``TrainConfig.of(schedule="zbv", num_stages=4)`` or ``from_mapping``; ``to_json``
+    with ``TrainConfig.of(schedule="zbv", num_ranks=4)`` or ``from_mapping``; ``to_json``
     gives them back. Each section documents its fields."""
 
     schedule: ScheduleSpec = field(default_factory=lambda: ScheduleSpec(schedule="paci"))
@@ -90,7 +90,7 @@ class TrainConfig:
         check_choice("device", self.launch.device, DEVICES)
         check_choice("backend", self.launch.backend, BACKENDS)
         run = self.run
-        for name in ("num_stages", "micro_batch_size", "steps", "eval_every", "eval_batches"):
+        for name in ("num_ranks", "micro_batch_size", "steps", "eval_every", "eval_batches"):
             check_positive(name, getattr(run, name))
         check_positive("seq_len", self.data.seq_len)
         for name in ("checkpoint_every", "seed", "sample_tokens", "stop_at"):
@@ -99,7 +99,7 @@ class TrainConfig:
         check_port(self.launch.master_port)
         # the pipeline's options: each spec checked itself, now against the others (api/config)
         object.__setattr__(self, "pipeline", self._pipeline_config())
-        self.schedule.check(run.num_stages)  # the schedule's own preconditions on (P, M, v)
+        self.schedule.check(run.num_ranks)  # the schedule's own preconditions on (P, M, v)
         self._check_model()
         self._check_run()
         self.data_config()
@@ -178,14 +178,14 @@ class TrainConfig:
         return self.pipeline
 
     @property
-    def num_stages(self) -> int:
+    def num_ranks(self) -> int:
         """P, the pipeline's ranks."""
-        return self.run.num_stages
+        return self.run.num_ranks
 
     @property
     def model_stages(self) -> int:
         """The stages the model is cut into: v·P, or P with one stage per rank."""
-        return self.run.num_stages * self.schedule.stages_per_rank
+        return self.run.num_ranks * self.schedule.stages_per_rank
 
     @property
     def num_microbatches(self) -> int:
@@ -227,8 +227,8 @@ class TrainConfig:
         LOCAL_WORLD_SIZE ranks do."""
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         if self.runtime.runtime == "dist" and local.isdigit():
-            return max(1, min(int(local), self.run.num_stages))
-        return self.run.num_stages
+            return max(1, min(int(local), self.run.num_ranks))
+        return self.run.num_ranks
 
     def hf_config(self) -> dict[str, Any]:
         from nobubble.model.hf import read_config
@@ -283,7 +283,7 @@ class TrainConfig:
                 )
         if self.model_stages <= n_layers:
             return
-        per_rank = self.model_stages // self.num_stages
+        per_rank = self.model_stages // self.num_ranks
         cut = (
             f" cuts the model into {self.model_stages} stages ({per_rank} per rank under "
             f"{self.schedule.schedule}), which"
@@ -291,7 +291,7 @@ class TrainConfig:
             else ""
         )
         raise ValueError(
-            f"--stages {self.num_stages}{cut} is more than the {n_layers} layers of model "
+            f"--stages {self.num_ranks}{cut} is more than the {n_layers} layers of model "
             f"{self.model.model!r}: use --stages {max(1, n_layers // per_rank)} or fewer, or a "
             "deeper --model"
         )

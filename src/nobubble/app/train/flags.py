@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # The flags of the run itself; a flag that configures the pipeline takes its help from its spec
 # field (nobubble.api.config) and its choices from the registries (``_from_specs``).
 HELP = {
-    "num_stages": "pipeline ranks P (v·P stages for the looped schedules, 2P for the V ones)",
+    "num_ranks": "pipeline ranks P (v·P stages for the looped schedules, 2P for the V ones)",
     "model": "a preset (tiny, mini, small, medium, ...) or hf:PATH, a Hugging Face model folder "
     "or config.json (Llama family, GPT-2)",
     "untie_embeddings": "train a tied Hugging Face head as its own parameter (async schedules)",
@@ -37,7 +37,7 @@ HELP = {
 
 
 # a key whose flag keeps another name
-FLAG_NAMES = {"num_stages": "stages"}
+FLAG_NAMES = {"num_ranks": "stages"}
 
 
 def _from_specs() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -93,7 +93,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
     defaults = TrainConfig().to_json()
     for key in TrainConfig.key_map():
-        # P keeps its former flag: --stages (the config key num_stages also reads "stages")
+        # P keeps its former flag: --stages (the config key num_ranks also reads "stages")
         flag = "--" + FLAG_NAMES.get(key, key).replace("_", "-")
         default = defaults[key]
         kind: Any = {"int": int, "float": float, "bool": _parse_bool}.get(

@@ -39,7 +39,7 @@ def check_memory(cfg: TrainConfig) -> None:
     inflight = max(load.inflight for load in run_stage_loads(cfg))
     raise ValueError(
         f"--seq-len {cfg.data.seq_len} with --micro-batch-size {cfg.run.micro_batch_size} needs "
-        f"about {_gib(need)} of memory on this machine (model {cfg.model.model}, {cfg.num_stages} "
+        f"about {_gib(need)} of memory on this machine (model {cfg.model.model}, {cfg.num_ranks} "
         f"stages, up to {inflight} micro-batches in flight on a stage: saved activations, "
         f"weights, gradients and optimizer state), more than the {_gib(available)} available "
         f"({MEMORY_SHARE:.0%} of {_gib(total)}): use "
@@ -66,11 +66,11 @@ def run_stage_loads(cfg: TrainConfig, seq_len: int | None = None) -> list[StageL
     return stage_loads(
         model,
         cfg.schedule.schedule,
-        cfg.num_stages,
+        cfg.num_ranks,
         cfg.num_microbatches,
         cfg.run.steps,
         seq_len,
-        cfg.model_stages // cfg.num_stages,
+        cfg.model_stages // cfg.num_ranks,
     )
 
 

@@ -33,16 +33,17 @@ class RecipeSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """num_stages: pipeline ranks P (the stages too, but v·P for the looped schedules and 2P
-    for the V ones). micro_batch_size: sequences per micro-batch, per replica (the run reads
-    global micro-batches of data_parallel·micro_batch_size sequences, replica r the r-th slice
-    of each). steps: optimizer steps. seed: the model's init and the data order.
-    eval_every: validation every K steps (asynchronous schedules drain there).
-    checkpoint_every: checkpoint every K steps (a multiple of eval_every); 0: only at the end.
-    stop_at: stop after the checkpoint of this step (a planned interruption; --resume goes on).
+    """num_ranks: pipeline ranks P (flag --stages; the model is cut into P stages, v·P under
+    the looped schedules and 2P under the V ones). micro_batch_size: sequences per
+    micro-batch, per replica (the run reads global micro-batches of
+    data_parallel·micro_batch_size sequences, replica r the r-th slice of each). steps:
+    optimizer steps. seed: the model's init and the data order. eval_every: validation every
+    K steps (asynchronous schedules drain there). checkpoint_every: checkpoint every K steps
+    (a multiple of eval_every); 0: only at the end. stop_at: stop after the checkpoint of this
+    step (a planned interruption; --resume goes on).
     """
 
-    num_stages: int = 2
+    num_ranks: int = 2
     micro_batch_size: int = 8
     steps: int = 300
     seed: int = 0
@@ -118,7 +119,7 @@ def check_choice(flag: str, value: object, allowed: tuple[str, ...]) -> None:
 
 def check_positive(name: str, value: object, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        flag = {"num_stages": "stages"}.get(name, name).replace("_", "-")
+        flag = {"num_ranks": "stages"}.get(name, name).replace("_", "-")
         raise ValueError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
 
 

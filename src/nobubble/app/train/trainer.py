@@ -312,7 +312,7 @@ def run_summary(
         "schedule": cfg.schedule.schedule,
         "optimizer": cfg.optimizer.optimizer,
         "correction": cfg.correction.correction,
-        "stages": cfg.num_stages,
+        "stages": cfg.num_ranks,
         "steps": cfg.run.steps,
         "first_loss": records[0]["loss"] if records else None,
         "last_loss": records[-1]["loss"] if records else None,
