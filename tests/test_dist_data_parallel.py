@@ -347,6 +347,7 @@ def test_a_send_refused_by_a_dead_peer_names_that_peer_by_its_coordinates(monkey
     from nobubble.app.train.config import TrainConfig
     from nobubble.core.ir import Action, F
     from nobubble.runtime.distributed import transport
+    from nobubble.runtime.distributed.runner import RankRunner
 
     def refuse(ops: list) -> None:
         raise RuntimeError("Connection closed by peer")
@@ -362,13 +363,13 @@ def test_a_send_refused_by_a_dead_peer_names_that_peer_by_its_coordinates(monkey
 
     monkeypatch.setattr(runtime.os, "_exit", leave)
     cfg = TrainConfig.of(num_ranks=STAGES, data_parallel=REPLICAS, runtime="dist")
+    # where the rank's runner stands, read from its transport as RankRunner.where reads it
+    runner = SimpleNamespace(transport=stub, pointer=[26], rank=0, current=Action(0, F, 11))
     run = SimpleNamespace(
         meeting=None,
         run_dir=None,
         pipe=object(),
-        current=Action(0, F, 11),
-        position=26,
-        transport=stub,
+        where=lambda: RankRunner.where(runner),  # type: ignore[arg-type]
         dp=1,
         pp=0,
     )
