@@ -56,7 +56,8 @@ class Observer:
     """What a caller watches while the pipeline runs (``nobubble train`` does).
 
     record: every action's span (``Interpreter.spans``). clock: the spans' clock under
-    runtime="dist" (None: the host's). strict_p2p: run point-to-point under NCCL's completion
+    runtime="dist" (None: the host's); one with ``settle(recorder)`` (a GPU's events) has its
+    marks turned into seconds at each drain. strict_p2p: run point-to-point under NCCL's completion
     rules on any backend. on_step: called with each step number a local stage completes.
     """
 
