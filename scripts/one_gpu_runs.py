@@ -95,7 +95,7 @@ def emulate(values: dict[str, Any], device: Any) -> dict[str, Any]:
     data = load_data(cfg)
     plan = make_plan(cfg, data.vocab_size)
     pipe = make_pipeline(plan, [s.to(device) for s in make_model(plan).stages])
-    m, b = cfg.num_microbatches, cfg.micro_batch_size
+    m, b = cfg.num_microbatches, cfg.run.micro_batch_size
     per_step: dict[int, list[float]] = {}
     done, t0 = 0, 0.0
     for point in plan.drain_points:
@@ -112,7 +112,7 @@ def emulate(values: dict[str, Any], device: Any) -> dict[str, Any]:
         done = point
     synchronize(device)
     seconds = time.perf_counter() - t0
-    tokens = (cfg.steps - warm) * cfg.tokens_per_step
+    tokens = (cfg.run.steps - warm) * cfg.tokens_per_step
     del pipe
     gc.collect()  # the interpreter's dispatch table holds the workers in reference cycles
     if device.type == "cuda":

@@ -281,6 +281,14 @@ def test_pipeline_refuses_bad_stages_and_batches():
         r"runtime='dist' needs a process group: start the script with torchrun",
         lambda: nobubble.Pipeline(stages(), loss_fn, runtime="dist"),
     )
+    for looped in ("interleaved-1f1b", "looped-bfs"):  # v is theirs to choose: name it
+        refuses(
+            rf"schedule='{looped}' places 2 stages on each rank \(virtual_stages=2\).*"
+            "or set virtual_stages to a divisor of it",
+            lambda looped=looped: nobubble.Pipeline(
+                nobubble.split(make_model(), ["1", "3"]), loss_fn, schedule=looped
+            ),
+        )
     pipe = nobubble.Pipeline(stages(), loss_fn)
     refuses(
         r"batch dimension 6.*multiple of 4", lambda: pipe.step(torch.randn(6, 8), torch.randn(6, 4))

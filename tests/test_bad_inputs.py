@@ -9,6 +9,7 @@ import torch
 
 import nobubble.app.train.assemble
 import nobubble.app.train.config
+import nobubble.core.util
 from nobubble.app.train.config import TrainConfig
 from nobubble.cli import main
 from nobubble.data import fetch_shakespeare
@@ -19,7 +20,7 @@ GiB = 2**30
 @pytest.fixture
 def laptop(monkeypatch):
     """A 24 GiB machine, whatever this one holds, so refusals do not depend on the host."""
-    monkeypatch.setattr(nobubble.app.train.config, "physical_memory_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr(nobubble.core.util, "physical_memory_bytes", lambda: 24 * GiB)
 
 
 def train(capsys, *flags: str) -> tuple[int, str]:
@@ -43,21 +44,21 @@ def test_a_sequence_that_cannot_fit_in_memory_is_refused_at_once(
     assert not out.exists()
     longest = int(re.search(r"use --seq-len (\d+) or less", err).group(1))
     smaller = int(re.search(r"--micro-batch-size (\d+) or less", err).group(1))
-    TrainConfig(seq_len=longest)  # what the message offers does fit
-    TrainConfig(seq_len=100000, micro_batch_size=smaller)
+    TrainConfig.of(seq_len=longest)  # what the message offers does fit
+    TrainConfig.of(seq_len=100000, micro_batch_size=smaller)
 
 
 def test_the_configs_of_the_tests_and_benchmarks_fit_a_small_machine(monkeypatch):
-    monkeypatch.setattr(nobubble.app.train.config, "physical_memory_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(nobubble.core.util, "physical_memory_bytes", lambda: 8 * GiB)
     TrainConfig()
-    TrainConfig(model="medium", vocab_size=2048, micro_batch_size=4, seq_len=128)
-    TrainConfig(model="small", stages=2, microbatches=4, micro_batch_size=8, seq_len=128)
-    TrainConfig(model="mini", schedule="pipedream", stages=8, accum=1, micro_batch_size=16)
+    TrainConfig.of(model="medium", vocab_size=2048, micro_batch_size=4, seq_len=128)
+    TrainConfig.of(model="small", num_ranks=2, microbatches=4, micro_batch_size=8, seq_len=128)
+    TrainConfig.of(model="mini", schedule="pipedream", num_ranks=8, accum=1, micro_batch_size=16)
 
 
 def test_the_weights_alone_can_be_too_large(laptop):
     with pytest.raises(ValueError, match="use a smaller --model"):
-        TrainConfig(model="1b", tokenizer="gpt2", seq_len=1)
+        TrainConfig.of(model="1b", tokenizer="gpt2", seq_len=1)
 
 
 def test_a_port_out_of_range_is_refused_without_a_traceback(capsys, tmp_path):
@@ -108,7 +109,7 @@ def test_more_local_ranks_than_gpus_is_refused(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    cfg = TrainConfig(stages=4, runtime="dist", device="cuda")
+    cfg = TrainConfig.of(num_ranks=4, runtime="dist", device="cuda")
     with pytest.raises(ValueError, match="4 ranks on this machine need 4 GPUs, but 2 are visible"):
         resolve_device(cfg, local_rank=0, local_world_size=4)
     assert resolve_device(cfg, 1, 2) == (torch.device("cuda", 1), "nccl")
@@ -122,7 +123,7 @@ def test_gloo_lets_ranks_share_the_gpus(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    cfg = TrainConfig(stages=4, runtime="dist", device="cuda", backend="gloo")
+    cfg = TrainConfig.of(num_ranks=4, runtime="dist", device="cuda", backend="gloo")
     assert [resolve_device(cfg, r, 4) for r in range(4)] == [(torch.device("cuda", 0), "gloo")] * 4
 
 
@@ -158,4 +159,4 @@ def test_nccl_for_a_stage_on_the_cpu_is_refused_before_the_group_starts(monkeypa
 
 def test_device_flags_with_the_emulator_are_refused():
     with pytest.raises(ValueError, match="apply to --runtime dist; the emulator runs every stage"):
-        TrainConfig(runtime="emulate", device="cuda")
+        TrainConfig.of(runtime="emulate", device="cuda")

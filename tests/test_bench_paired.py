@@ -92,7 +92,9 @@ def test_rounds_run_the_variants_in_alternating_order(monkeypatch, tmp_path):
         }
 
     monkeypatch.setattr(br, "load_data", lambda cfg: None)
-    monkeypatch.setattr(br, "run_nobubble", lambda cfg, out, log, malloc: fake(cfg.schedule))
+    monkeypatch.setattr(
+        br, "run_nobubble", lambda cfg, out, log, malloc: fake(cfg.schedule.schedule)
+    )
     monkeypatch.setattr(br, "run_torch", lambda bench, variant, out, log: fake(variant))
     monkeypatch.setattr(br.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
     (tmp_path / "work").mkdir()
@@ -122,7 +124,9 @@ def test_the_command_prints_the_setup_a_row_per_variant_and_the_pairs(
         }
 
     monkeypatch.setattr(br, "load_data", lambda cfg: None)
-    monkeypatch.setattr(br, "run_nobubble", lambda cfg, out, log, malloc: fake(cfg.schedule))
+    monkeypatch.setattr(
+        br, "run_nobubble", lambda cfg, out, log, malloc: fake(cfg.schedule.schedule)
+    )
     monkeypatch.setattr(br, "run_torch", lambda bench, variant, out, log: fake(variant))
     monkeypatch.setattr(br.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "work"))
     (tmp_path / "work").mkdir()

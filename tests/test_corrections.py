@@ -218,9 +218,11 @@ def test_cli_refuses_delay_lr_steps_without_its_correction() -> None:
 
     # the same refusal as the API's: one text, in the correction registry
     with pytest.raises(ValueError, match="delay_lr_steps=10 applies to correction='delay-lr'"):
-        TrainConfig(schedule="paci", correction="ef", delay_lr_steps=10)
-    assert TrainConfig(schedule="paci", correction="delay-lr", steps=40).delay_lr_span == 10
-    assert TrainConfig(schedule="paci", correction="delay-lr", delay_lr_steps=7).delay_lr_span == 7
+        TrainConfig.of(schedule="paci", correction="ef", delay_lr_steps=10)
+    assert TrainConfig.of(schedule="paci", correction="delay-lr", steps=40).delay_lr_span == 10
+    assert (
+        TrainConfig.of(schedule="paci", correction="delay-lr", delay_lr_steps=7).delay_lr_span == 7
+    )
 
 
 def test_prediction_with_a_sharded_stage_is_refused() -> None:
@@ -229,6 +231,6 @@ def test_prediction_with_a_sharded_stage_is_refused() -> None:
     with pytest.raises(ValueError, match="shard='fsdp'"):
         _pipe_kw(correction="predict", shard="fsdp", data_parallel=2, runtime="dist")
     with pytest.raises(ValueError, match="correction='predict' with shard='fsdp'"):
-        TrainConfig(
+        TrainConfig.of(
             schedule="paci", correction="predict", shard="fsdp", data_parallel=2, runtime="dist"
         )

@@ -105,4 +105,4 @@ def test_every_run_of_the_grid_is_a_valid_training_config():
     from nobubble.app.train.config import TrainConfig
 
     for spec in depth_verdict(DEPTH, {o: 1e-3 for o in DEPTH.optimizers}, 1):
-        TrainConfig(**{**DEPTH.base, **spec.overrides})
+        TrainConfig.of(**{**DEPTH.base, **spec.overrides})

@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
 
     corpus = tmp_path_factory.mktemp("corpus") / "plays.txt"
     corpus.write_text(fetch_shakespeare().read_text()[:100_000])
-    cfg = TrainConfig(
+    cfg = TrainConfig.of(
         data=str(corpus),
         vocab_size=512,
         seq_len=16,
@@ -59,13 +59,13 @@ def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker
     cfg = plan.cfg
     optim_cfg = cfg.optim_config()
     optimizer = build_optimizer(optim_cfg, list(module.named_parameters()))
-    b = cfg.micro_batch_size
+    b = cfg.run.micro_batch_size
 
     def batch_fn(m: int) -> tuple[torch.Tensor, torch.Tensor]:
         return data.train_microbatch(m, b)
 
     def lr_fn(step: int) -> float:
-        return lr_at(step, cfg.steps, optim_cfg)
+        return lr_at(step, cfg.run.steps, optim_cfg)
 
     schedule = make_schedule(cfg)
     return StageWorker(
@@ -77,8 +77,8 @@ def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker
         batch_fn,
         lr_fn,
         clip_norm=optim_cfg.clip_norm,
-        autocast_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None,
-        recompute=cfg.paci_recompute,
+        autocast_dtype=torch.bfloat16 if cfg.compute.dtype == "bf16" else None,
+        recompute=cfg.compute.paci_recompute,
         loss_fn=lm_loss,
     )
 
@@ -115,9 +115,9 @@ def trained_parts(setup) -> list[dict]:
     error-feedback buffer and two stashed weight versions."""
     cfg, _, _ = setup
     workers = workers_on(setup, torch.device("cpu"))
-    transport = InProcessTransport(cfg.stages)
-    interpreters = [Interpreter([w], transport, cfg.stages) for w in workers]
-    Emulator(make_schedule(cfg), interpreters, transport).run(cfg.steps)
+    transport = InProcessTransport(cfg.num_ranks)
+    interpreters = [Interpreter([w], transport, cfg.num_ranks) for w in workers]
+    Emulator(make_schedule(cfg), interpreters, transport).run(cfg.run.steps)
     return [w.state_dict() for w in workers]
 
 

@@ -326,7 +326,7 @@ def test_a_failure_at_a_meeting_names_every_rank_it_waited_for_by_its_coordinate
         raise SystemExit(code)
 
     monkeypatch.setattr(runtime.os, "_exit", leave)
-    cfg = TrainConfig(stages=STAGES, data_parallel=REPLICAS, runtime="dist")
+    cfg = TrainConfig.of(num_ranks=STAGES, data_parallel=REPLICAS, runtime="dist")
     run = SimpleNamespace(meeting=("writing the checkpoint of step 5", [0, 2, 3]), run_dir=None)
     with pytest.raises(SystemExit):
         runtime._fail(SimpleNamespace(rank=1), cfg, run, RuntimeError("Connection closed by peer"))
@@ -347,6 +347,7 @@ def test_a_send_refused_by_a_dead_peer_names_that_peer_by_its_coordinates(monkey
     from nobubble.app.train.config import TrainConfig
     from nobubble.core.ir import Action, F
     from nobubble.runtime.distributed import transport
+    from nobubble.runtime.distributed.runner import RankRunner
 
     def refuse(ops: list) -> None:
         raise RuntimeError("Connection closed by peer")
@@ -361,14 +362,14 @@ def test_a_send_refused_by_a_dead_peer_names_that_peer_by_its_coordinates(monkey
         raise SystemExit(code)
 
     monkeypatch.setattr(runtime.os, "_exit", leave)
-    cfg = TrainConfig(stages=STAGES, data_parallel=REPLICAS, runtime="dist")
+    cfg = TrainConfig.of(num_ranks=STAGES, data_parallel=REPLICAS, runtime="dist")
+    # where the rank's runner stands, read from its transport as RankRunner.where reads it
+    runner = SimpleNamespace(transport=stub, pointer=[26], rank=0, current=Action(0, F, 11))
     run = SimpleNamespace(
         meeting=None,
         run_dir=None,
         pipe=object(),
-        current=Action(0, F, 11),
-        position=26,
-        transport=stub,
+        where=lambda: RankRunner.where(runner),  # type: ignore[arg-type]
         dp=1,
         pp=0,
     )

@@ -249,7 +249,7 @@ from nobubble.app.train.config import TrainConfig
 from nobubble.runtime.distributed import transport
 from nobubble.app.ranks.runtime import run_rank
 
-run_rank(TrainConfig(**json.loads(sys.argv[1])))
+run_rank(TrainConfig.of(**json.loads(sys.argv[1])))
 alive = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, transport.DistTransport)]
 print(json.dumps({"transports": sum(r() is not None for r in alive), "garbage": gc.collect()}))
 """

@@ -7,13 +7,13 @@ pipeline that a training run sets is a ``nobubble train`` flag (and config key) 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 
 import pytest
 
 from nobubble.api.config import ALIASES, PipelineConfig
-from nobubble.app.train.config import TrainConfig
-from nobubble.app.train.flags import build_train_parser
+from nobubble.app.train.checkpoint import CheckpointError, check_resumable, reshaped
+from nobubble.app.train.config import NOT_KEYS, TrainConfig
+from nobubble.app.train.flags import FLAG_NAMES, build_train_parser
 from nobubble.cli import build_parser
 
 TRAIN_FLAGS = """
@@ -103,11 +103,42 @@ def test_the_pipeline_keywords_are_the_frozen_list():
 def test_a_pipeline_keyword_a_run_sets_has_the_flags_name():
     """One name per concept: the keyword, the config key and the flag (``--ef-lambda`` is
     ``ef_lambda``); no renaming on the way from the command line to the pipeline."""
-    train_fields = {f.name for f in fields(TrainConfig)}
+    keys = TrainConfig.key_map()
     flags = set(TRAIN_FLAGS.split())
     for keyword in set(PipelineConfig.keywords()) - API_ONLY:
-        assert keyword in train_fields, keyword
-        assert "--" + keyword.replace("_", "-") in flags, keyword
+        assert keyword in keys, keyword
+        assert "--" + FLAG_NAMES.get(keyword, keyword).replace("_", "-") in flags, keyword
+
+
+def test_a_run_holds_the_pipelines_specs_and_routes_each_key_to_its_field():
+    """TrainConfig contains the specs, not a copy of their fields: a key the pipeline reads
+    lands on the field of the spec that owns it, and the pipeline gets those very specs."""
+    config = TrainConfig.of(schedule="zbv", num_ranks=2, correction="none", dtype="bf16")
+    owners = PipelineConfig.keywords()
+    held = ("schedule", "correction", "runtime", "compute")
+    for keyword, (section, name) in TrainConfig.key_map().items():
+        if owners.get(keyword) in held and (owners[keyword], keyword) not in NOT_KEYS:
+            assert (section, name) == (owners[keyword], keyword)
+    for part in held:
+        assert getattr(config.pipeline_config(), part) == getattr(config, part)
+    assert config.to_json()["num_ranks"] == config.num_ranks == 2
+
+
+def test_former_config_keys_still_load(tmp_path):
+    """A config file, run key or checkpoint written before num_ranks was P's one name."""
+    assert TrainConfig.from_mapping({"stages": 3}).num_ranks == 3
+    assert TrainConfig.normalized({"stages": 3, "ef-lambda": 0.5}) == {
+        "num_ranks": 3,
+        "ef_lambda": 0.5,
+    }
+    config = TrainConfig.of(num_ranks=3)
+    written = {("stages" if k == "num_ranks" else k): v for k, v in config.fingerprint().items()}
+    check_resumable({"fingerprint": written}, config, tmp_path)  # an old checkpoint resumes
+    check_resumable({"fingerprint": written}, TrainConfig(), tmp_path)  # at another P too
+    assert reshaped({"fingerprint": written}, TrainConfig())  # ... read under P's new name
+    assert not reshaped({"fingerprint": written}, config)
+    with pytest.raises(CheckpointError, match="seed: checkpoint 0 vs now 1"):
+        check_resumable({"fingerprint": written}, TrainConfig.of(num_ranks=3, seed=1), tmp_path)
 
 
 def test_former_keywords_are_accepted_as_the_one_name():
@@ -159,7 +190,7 @@ def test_a_refusal_reads_the_same_from_the_command_line_and_from_python(options)
     import nobubble
 
     with pytest.raises(ValueError) as from_cli:
-        TrainConfig(stages=3, **options)
+        TrainConfig.of(num_ranks=3, **options)
     model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
     with pytest.raises(ValueError) as from_api:
         nobubble.Pipeline(list(model), nn.functional.mse_loss, **options)

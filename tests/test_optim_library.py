@@ -52,7 +52,7 @@ def test_a_missing_library_is_refused_naming_the_extra(name, monkeypatch):
     with pytest.raises(MissingExtra, match=r"pip install 'nobubble\[optim\]'"):
         OptimConfig(name=name)
     with pytest.raises(MissingExtra, match=rf"optimizer {name!r} comes from the pytorch-optimizer"):
-        TrainConfig(optimizer=name, progress=False)
+        TrainConfig.of(optimizer=name, progress=False)
 
 
 def test_train_without_the_library_exits_2_before_any_work(monkeypatch, tmp_path, capsys):

@@ -36,7 +36,7 @@ def tiny(corpus: Path, out: Path, **overrides: object) -> TrainConfig:
         progress=False,
         sample_tokens=0,
     )
-    return TrainConfig(**(base | overrides))  # type: ignore[arg-type]
+    return TrainConfig.of(**(base | overrides))
 
 
 def losses(run: Path) -> list[tuple[float, float | None]]:
@@ -85,7 +85,7 @@ def test_a_plain_resume_after_a_reshaped_one_keeps_the_new_depth(corpus, tmp_pat
     argv = ["train", "--resume", str(tmp_path / "run"), "--no-progress"]
     assert main([*argv, "--stages", "4", "--stop-at", "4"]) == 0
     assert main(argv) == 0
-    assert TrainConfig.load(tmp_path / "run" / "config.json")["config"]["stages"] == 4
+    assert TrainConfig.load(tmp_path / "run" / "config.json")["config"]["num_ranks"] == 4
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, 7))
     capsys.readouterr()
     assert main([*argv, "--steps", "8", "--schedule", "gpipe"]) == 2

@@ -54,17 +54,17 @@ class Logits(nn.Module):  # the last stage without its loss, same parameter name
         return self.head(self.norm(run_layers(self.layers, h, self.cfg)))
 
 torch.set_num_threads(1)
-cfg = TrainConfig(**json.loads(sys.argv[1]))
+cfg = TrainConfig.of(**json.loads(sys.argv[1]))
 dist.init_process_group("gloo")
-rank, M, B = dist.get_rank(), cfg.microbatches, cfg.micro_batch_size
+rank, M, B = dist.get_rank(), cfg.schedule.microbatches, cfg.run.micro_batch_size
 data = prepare_data(cfg.data_config())
 pairs = [data.train_microbatch(m, B) for m in range(M)]
 x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
-mcfg = model_config(cfg.model, data.vocab_size, cfg.seq_len)
-ranges = partition_layers(mcfg, 2, seq_len=cfg.seq_len)
+mcfg = model_config(cfg.model.model, data.vocab_size, cfg.data.seq_len)
+ranges = partition_layers(mcfg, 2, seq_len=cfg.data.seq_len)
 out = {}
 for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-    stage = split_model(build_model(mcfg, cfg.seed), 2, ranges)[rank]
+    stage = split_model(build_model(mcfg, cfg.run.seed), 2, ranges)[rank]
     module = stage if rank == 0 else Logits(stage)
     schedule = cls(PipelineStage(module, rank, 2, torch.device("cpu")), M, loss_fn=lm_loss)
     schedule.step(x) if rank == 0 else schedule.step(target=y, return_outputs=False)
@@ -82,7 +82,7 @@ def cfg(tmp_path_factory) -> TrainConfig:
     """A 100 kB slice of the default corpus, vocab 512; the tiny model, seq 32, B=2, M=4."""
     corpus = tmp_path_factory.mktemp("corpus") / "plays.txt"
     corpus.write_text(fetch_shakespeare().read_text()[:100_000])
-    config = TrainConfig(
+    config = TrainConfig.of(
         data=str(corpus),
         vocab_size=512,
         seq_len=32,
@@ -159,14 +159,14 @@ def emulator_grads(cfg: TrainConfig, schedule: str) -> dict[str, torch.Tensor]:
             ledger.stages[module.stage],
             build_optimizer(optim_cfg, list(module.named_parameters())),
             NoCorrection(),
-            lambda m: data.train_microbatch(m, cfg.micro_batch_size),
-            lambda j: lr_at(j, cfg.steps, optim_cfg),
+            lambda m: data.train_microbatch(m, cfg.run.micro_batch_size),
+            lambda j: lr_at(j, cfg.run.steps, optim_cfg),
             loss_fn=lm_loss,
         )
         for module in make_stages(plan)
     ]
-    transport = InProcessTransport(cfg.stages)
-    interpreters = [Interpreter([w], transport, cfg.stages, cfg.global_clip) for w in workers]
+    transport = InProcessTransport(cfg.num_ranks)
+    interpreters = [Interpreter([w], transport, cfg.num_ranks, cfg.global_clip) for w in workers]
     Emulator(schedule, interpreters, transport).run(1)
     return {n: g for w in workers for n, g in w.recorded.items()}
 
@@ -215,7 +215,7 @@ from nobubble.app.train.config import TrainConfig
 from nobubble.app.ranks.torch_peer import PeerRun
 
 torch.set_num_threads(1)
-cfg = TrainConfig(**json.loads(sys.argv[1]))
+cfg = TrainConfig.of(**json.loads(sys.argv[1]))
 dist.init_process_group("gloo")
 out = {}
 for schedule in sys.argv[3].split(","):

@@ -35,7 +35,7 @@ def small(corpus: Path, out: Path, **overrides) -> TrainConfig:
         sample_tokens=16,
     )
     base.update(overrides)
-    return TrainConfig(**base)
+    return TrainConfig.of(**base)
 
 
 def test_train_writes_the_run_directory_and_learns(corpus, tmp_path):
@@ -267,6 +267,6 @@ def test_a_run_builds_one_schedule_and_reports_the_one_that_ran(corpus, tmp_path
     trainer = Trainer(small(corpus, tmp_path / "run", schedule="2bw", sample_tokens=0))
     trainer.run()
     assert generated and len(generated) == len(horizons)
-    assert trainer.pipe.schedule.num_steps == trainer.cfg.steps
+    assert trainer.pipe.schedule.num_steps == trainer.cfg.run.steps
     written = json.loads((tmp_path / "run" / "ledger.json").read_text())
     assert written["summary"] == json.loads(json.dumps(trainer.pipe.ledger.summary()))

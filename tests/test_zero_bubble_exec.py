@@ -275,7 +275,7 @@ def test_microbatches_that_do_not_fit_the_schedule_are_refused_with_the_fix():
 def test_the_multi_process_runtime_accepts_them(schedule):
     """Refused until the runtime could order a rank's several stages (tests/test_api_dist.py
     and tests/test_dist_runtime.py run them in real processes)."""
-    assert TrainConfig(schedule=schedule, runtime="dist").schedule == schedule
+    assert TrainConfig.of(schedule=schedule, runtime="dist").schedule.schedule == schedule
 
 
 def test_tied_parameters_across_a_v_under_the_runtime_are_refused_with_the_fix():

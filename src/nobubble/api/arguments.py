@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nobubble.core.schedules import schedule_info
 from nobubble.engine.ties import Tie
 
 
@@ -109,12 +110,13 @@ def num_ranks_of(schedule: str, num_stages: int, virtual: int) -> int:
     if num_stages % virtual == 0:
         return num_stages // virtual
     fit = ", ".join(str(virtual * p) for p in range(1, 4))
-    what = "virtual_stages" if schedule == "interleaved-1f1b" else "stages per rank"
+    # the looped placements take any v (virtual_stages); the V placements hold 2 per rank
+    looped = schedule_info(schedule).placement == "loop"
+    what = "virtual_stages" if looped else "stages per rank"
     raise ValueError(
         f"schedule={schedule!r} places {virtual} stages on each rank ({what}={virtual}), so it "
         f"needs a multiple of {virtual} stage modules, got {num_stages}: split the model into "
-        f"{fit}, ... stages"
-        + (", or set virtual_stages to a divisor of it" if schedule == "interleaved-1f1b" else "")
+        f"{fit}, ... stages" + (", or set virtual_stages to a divisor of it" if looped else "")
     )
 
 

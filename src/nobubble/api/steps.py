@@ -56,7 +56,8 @@ class Observer:
     """What a caller watches while the pipeline runs (``nobubble train`` does).
 
     record: every action's span (``Interpreter.spans``). clock: the spans' clock under
-    runtime="dist" (None: the host's). strict_p2p: run point-to-point under NCCL's completion
+    runtime="dist" (None: the host's); one with ``settle(recorder)`` (a GPU's events) has its
+    marks turned into seconds at each drain. strict_p2p: run point-to-point under NCCL's completion
     rules on any backend. on_step: called with each step number a local stage completes.
     """
 
@@ -321,6 +322,26 @@ class StepLoop:
         if interpreters is None:  # this rank's runner: one interpreter, once it has started
             interpreters = [i for i in [self.emulator.interpreter] if i is not None]
         return [span for interpreter in interpreters for span in interpreter.spans]
+
+    def where(self) -> Any:
+        """With runtime="dist": where this rank stands (``RankPosition``: its position in its
+        order, the action it runs, the peer a receive waits on); None under the emulator."""
+        return self.emulator.where() if self.rank is not None else None
+
+    def comm_spans(self) -> list[tuple[str, Action, Any, Any]]:
+        """With runtime="dist": this rank's transfers (kind, action, start, end), recorded
+        under ``Observer(record=True)``; empty otherwise."""
+        return self.emulator.comm_spans() if self.rank is not None else []
+
+    def allreduce_spans(self) -> dict[int, Any]:
+        """With runtime="dist" and data parallelism: each step's all-reduce span."""
+        return self.emulator.allreduce_spans() if self.rank is not None else {}
+
+    def close_transport(self) -> None:
+        """With runtime="dist": end the transport's own thread (the strict one's), also after
+        a failure; ``close`` then leaves the process group."""
+        if self.rank is not None:
+            self.emulator.close_transport()
 
     def close(self) -> None:
         """With runtime="dist": leave the process group (every rank, after the last step)."""

@@ -25,7 +25,7 @@ def train_main(argv: Sequence[str]) -> int:
     from nobubble.core.host_memory import tune_host_allocator
 
     tune_host_allocator()  # this process trains: keep freed memory between steps
-    if cfg.runtime == "dist":  # imported only when asked for
+    if cfg.runtime.runtime == "dist":  # imported only when asked for
         if "RANK" in os.environ:  # one rank, started by torchrun or by our launcher
             from nobubble.app.ranks.runtime import run_rank
 

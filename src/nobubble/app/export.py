@@ -27,9 +27,9 @@ def run_config(run_dir: Path) -> TrainConfig:
     if not config_path.is_file():
         raise FileNotFoundError(f"{run_dir} holds no run (no config.json): pass a run directory")
     cfg = TrainConfig.from_mapping(TrainConfig.load(config_path)["config"])
-    if not cfg.is_hf:
+    if not cfg.model.is_hf:
         raise ValueError(
-            f"{run_dir} trained the internal model {cfg.model!r}; export --hf writes Hugging "
+            f"{run_dir} trained the internal model {cfg.model.model!r}; export --hf writes Hugging "
             "Face models, trained with --model hf:PATH"
         )
     return cfg
@@ -45,8 +45,8 @@ def load_run_model(run_dir: Path) -> tuple[Any, list[Any], int]:
     from nobubble.api.splitting import split
     from nobubble.model.hf import load_model
 
-    model = load_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
-    stages = split(model, cfg.model_stages, untie=cfg.untie_embeddings)
+    model = load_model(cfg.model.model.removeprefix("hf:"), seed=cfg.run.seed)
+    stages = split(model, cfg.model_stages, untie=cfg.model.untie_embeddings)
     for stage, part in zip(stages, parts, strict=True):
         stage.load_state_dict(part["module"])
     return model, stages, int(manifest["step"])
@@ -60,8 +60,8 @@ def export_run(run_dir: Path, out: Path) -> Path:
     manifest = read_manifest(run_dir)
     from nobubble.model.hf import embedding_names, meta_model
 
-    model = meta_model(cfg.model.removeprefix("hf:"))  # for its config and class: no memory
-    tied = bool(model.config.tie_word_embeddings) and not cfg.untie_embeddings
+    model = meta_model(cfg.model.model.removeprefix("hf:"))  # for its config and class: no memory
+    tied = bool(model.config.tie_word_embeddings) and not cfg.model.untie_embeddings
     embed_name, head_name = embedding_names(model.config.model_type)
     num_stages = cfg.model_stages
     staging = out.with_name(out.name + ".tmp")

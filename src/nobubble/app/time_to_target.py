@@ -28,6 +28,7 @@ from nobubble.core.schedules import SCHEDULES
 from nobubble.optim.correction_registry import CORRECTIONS
 
 if TYPE_CHECKING:
+    from nobubble.app.train.config import TrainConfig
     from nobubble.core.sim import CostModel
 
 BASELINE = "1f1b"
@@ -126,7 +127,7 @@ def transfer_seconds(run_dir: Path) -> float:
     return statistics.median(spans)
 
 
-def train_config(flags: Sequence[str]) -> Any:
+def train_config(flags: Sequence[str]) -> TrainConfig:
     """The ``TrainConfig`` that ``nobubble train FLAGS`` would run."""
     from nobubble.app.train.flags import build_train_parser, config_from_args
 

@@ -107,7 +107,7 @@ def run_race(cfg: RaceConfig) -> dict[str, Any]:
     train = train_config(base)
     names, skipped = sync_contestants(base) if cfg.sync else ([], {})
     variants = parse_variants(cfg.variants, names)
-    opts = options(cfg, train.runtime)
+    opts = options(cfg, train.runtime.runtime)
     out, seeds = Path(cfg.out), list(cfg.seeds)
     if cfg.equal_budget:
         quantum = cfg.rounds * every  # whole rounds of whole evaluation intervals
@@ -120,10 +120,15 @@ def run_race(cfg: RaceConfig) -> dict[str, Any]:
     first = races["equal steps"]
     if cfg.check_projection:
         first["projection_check"] = check_projection(out, variants, seeds, first)
-    title = f"P={train.stages}, M={train.microbatches}, {train.optimizer}, seeds {seeds}"
-    figure = plot_curves(races, title, out / f"loss-vs-time-P{train.stages}.png")
+    p, m = train.num_ranks, train.schedule.microbatches
+    title = f"P={p}, M={m}, {train.optimizer.optimizer}, seeds {seeds}"
+    figure = plot_curves(races, title, out / f"loss-vs-time-P{train.num_ranks}.png")
     for one in races.values():
-        one |= {"stages": train.stages, "microbatches": train.microbatches, "skipped": skipped}
+        one |= {
+            "stages": train.num_ranks,
+            "microbatches": train.schedule.microbatches,
+            "skipped": skipped,
+        }
         one["figure"] = str(figure)
     return result
 

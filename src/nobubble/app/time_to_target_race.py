@@ -85,7 +85,7 @@ def sync_contestants(base_flags: Sequence[str]) -> tuple[list[str], dict[str, st
     for name in SYNC_CONTESTANTS:
         try:
             cfg = TrainConfig.from_mapping({**base, "schedule": name, "correction": "none"})
-            make_plan(cfg, cfg.vocab_size)
+            make_plan(cfg, cfg.data.vocab_size)
         except ValueError as err:
             skipped[name] = str(err).splitlines()[0]
             continue

@@ -127,7 +127,8 @@ def tune_variants(
     by_group = {g.label: g for g in groups.values()}
     losses: dict[tuple[str, int], dict[float, float]] = {key: {} for key in todo}
     pending = {
-        key: lr_grid(by_group[key[0]].lr or cfg.lr, tune.points, tune.factor) for key in todo
+        key: lr_grid(by_group[key[0]].lr or cfg.optimizer.lr, tune.points, tune.factor)
+        for key in todo
     }
     for _ in range(MAX_EXTENSIONS + 1):
         specs = _specs(pending, by_group, tune.seeds)

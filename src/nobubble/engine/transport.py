@@ -2,7 +2,8 @@
 
 A message is keyed by the action that produced it (``deps.remote_dependency`` of the consumer
 names it), so the dependency rule also names every message. The torch.distributed transport
-(layer 2) implements the same methods: it posts what ``comm.rank_batches`` plans, at ``begin``.
+(runtime/distributed/transport.py) implements the same methods: it posts what
+``comm.rank_batches`` plans, at ``begin``.
 """
 
 from __future__ import annotations

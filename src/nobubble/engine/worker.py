@@ -38,7 +38,7 @@ class StageWorker(WorkerBackward):
     """One stage: ``module`` is stage ``ledger.stage`` of ``schedule.num_stages``.
 
     The module is called with its input (a tensor, or a tuple / dict of tensors: see
-    ``exec.tree``); the first stage's input is the batch's, the others' the previous stage's
+    ``engine/tree``); the first stage's input is the batch's, the others' the previous stage's
     output. The last stage's output goes through ``loss_fn(output, targets)``, which returns the
     scalar loss of the micro-batch.
     """

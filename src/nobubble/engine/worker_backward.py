@@ -102,7 +102,7 @@ class WorkerBackward(WorkerForward):
 
     def backward_input(self, m: int, grad_out: Tree | None) -> Tree | None:
         """I, the first half of a split backward: the gradient for the previous stage (None
-        on the first stage); what W needs stays in ``pending`` (``exec.split``)."""
+        on the first stage); what W needs stays in ``pending`` (``engine/split_backward``)."""
         saved = self.saved.pop(m)
         with self._materialized(self._backward_leaves(m, saved), self.ledger.bwd_version[m]):
             weights, outputs, grad_outputs = self._graph(m, saved, grad_out)

@@ -221,7 +221,7 @@ def export_check(run_dir: Path, out: Path, val_loss: float) -> dict[str, Any]:
     export_run(run_dir, out)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    batches = load_data(cfg).val_batches(cfg.global_micro_batch_size, cfg.eval_batches)
+    batches = load_data(cfg).val_batches(cfg.global_micro_batch_size, cfg.run.eval_batches)
     with torch.no_grad():
         losses = [float(lm_loss(model(x).logits, y)) for x, y in batches]
     reloaded = sum(losses) / len(losses)

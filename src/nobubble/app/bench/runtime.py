@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from nobubble.app.experiments.stats import interval
 from nobubble.app.ranks.torch_peer import TORCH_SCHEDULES, launch_peer, peer_config
 from nobubble.app.train.assemble import load_data
 from nobubble.app.train.config import TrainConfig
+from nobubble.app.train.flags import FLAG_NAMES
 from nobubble.core.errors import NobubbleError
 from nobubble.core.host_memory import ENV as MALLOC_ENV
 from nobubble.core.schedules import SCHEDULE_NAMES, SCHEDULES
@@ -130,10 +131,10 @@ class RuntimeBench:
         return self._config(variant, self.virtual_stages if loop else None)
 
     def _config(self, name: str, virtual_stages: int | None) -> TrainConfig:
-        return TrainConfig(
+        return TrainConfig.of(
             schedule=name,
             virtual_stages=virtual_stages,
-            stages=self.stages,
+            num_ranks=self.stages,
             microbatches=self.microbatches,
             accum=self.microbatches if SCHEDULES[name].uses_accum else None,
             micro_batch_size=self.micro_batch_size,
@@ -155,15 +156,15 @@ class RuntimeBench:
 def train_argv(cfg: TrainConfig, skip: tuple[str, ...] = ()) -> list[str]:
     """``nobubble train`` flags that give ``cfg`` (the fields that differ from the defaults)."""
     argv = []
-    for f in fields(TrainConfig):
-        value, default = getattr(cfg, f.name), f.default
-        if value == default or value is None or default is MISSING or f.name in skip:
+    defaults = TrainConfig().to_json()
+    for key, value in cfg.to_json().items():
+        if value == defaults[key] or value is None or key in skip:
             continue
-        if f.name == "progress":
+        if key == "progress":
             argv.append("--no-progress")
             continue
         text = str(value).lower() if isinstance(value, bool) else str(value)
-        argv += ["--" + f.name.replace("_", "-"), text]
+        argv += ["--" + FLAG_NAMES.get(key, key).replace("_", "-"), text]
     return argv
 
 
@@ -180,7 +181,7 @@ def run_nobubble(cfg: TrainConfig, out: Path, log: Path, malloc: str = "tuned") 
     with log.open("ab") as sink:
         code = subprocess.run(command, stdout=sink, stderr=sink, env=env).returncode
     if code != 0:
-        raise NobubbleError(f"{cfg.schedule} exited with status {code}:\n{_tail(log)}")
+        raise NobubbleError(f"{cfg.schedule.schedule} exited with status {code}:\n{_tail(log)}")
     summary = json.loads((out / "summary.json").read_text())
     return {
         "tokens_per_s": summary["tokens_per_s"],
@@ -200,7 +201,7 @@ def run_torch(bench: RuntimeBench, variant: str, out: Path, log: Path) -> dict[s
             train_argv(cfg, skip=("schedule",)),
             variant,
             out / "result.json",
-            cfg.stages,
+            cfg.num_ranks,
             log,
             malloc=ALLOCATORS[bench.allocator][1],
         )

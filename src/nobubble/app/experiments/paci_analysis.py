@@ -27,9 +27,9 @@ def stage_costs(overrides: dict[str, Any], repeats: int = 5) -> tuple[list[float
     from nobubble.app.train.config import TrainConfig
 
     cfg = TrainConfig.from_mapping({**overrides, "out": None, "resume": None})
-    plan = make_plan(cfg, cfg.vocab_size)
+    plan = make_plan(cfg, cfg.data.vocab_size)
     stages = make_stages(plan)
-    b, t, v = cfg.micro_batch_size, cfg.seq_len, cfg.vocab_size
+    b, t, v = cfg.run.micro_batch_size, cfg.data.seq_len, cfg.data.vocab_size
     tokens = torch.randint(0, v, (b, t))
     fwd, bwd = [], []
     x: torch.Tensor = tokens
@@ -61,13 +61,20 @@ def first_reach(run: RunOutcome, target: float, key: str = "step") -> float | No
 def _projected_seconds(
     run: RunOutcome, steps: int, costs: tuple[list[float], list[float]]
 ) -> float:
+    from nobubble.app.train.config import TrainConfig
     from nobubble.core.schedules import build_schedule
     from nobubble.core.sim import CostModel, simulate
 
-    cfg = json.loads((run.run_dir / "config.json").read_text())["config"]
+    saved = json.loads((run.run_dir / "config.json").read_text())["config"]
+    cfg = TrainConfig.normalized(saved)  # a run saved before num_ranks was P's name: "stages"
     drain = None if cfg["schedule"] == "1f1b" else cfg["eval_every"]
     schedule = build_schedule(
-        cfg["schedule"], cfg["stages"], cfg["microbatches"], steps, cfg["accum"], drain_every=drain
+        cfg["schedule"],
+        cfg["num_ranks"],
+        cfg["microbatches"],
+        steps,
+        cfg["accum"],
+        drain_every=drain,
     )
     return simulate(schedule, CostModel(fwd=tuple(costs[0]), bwd=tuple(costs[1]))).metrics.makespan
 

@@ -83,30 +83,31 @@ def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, s
 
 
 def launch(cfg: TrainConfig, argv: list[str]) -> RunResult:
-    """Run ``cfg`` on ``cfg.stages`` × ``cfg.data_parallel`` local processes; ``argv`` are the
-    user's train flags."""
+    """Run ``cfg`` on P × D local processes (``num_ranks`` × ``data_parallel``); ``argv`` are
+    the user's train flags."""
     from nobubble.app.ranks.runtime import resolve_device
     from nobubble.app.train.assemble import load_data
 
-    world = cfg.stages * cfg.data_parallel
+    world = cfg.num_ranks * cfg.runtime.data_parallel
     resolve_device(cfg, 0, world)  # a missing GPU is refused here, before any process starts
-    if cfg.resume:  # so are a finished run and a checkpoint of another run (or global batch)
-        manifest = read_manifest(Path(cfg.resume))
-        check_resumable(manifest, cfg, Path(cfg.resume))
-        check_work_left(manifest["step"], cfg.stop_at or cfg.steps, Path(cfg.resume))
-    port = cfg.master_port or free_port()
-    if cfg.master_port:
+    if cfg.launch.resume:  # so are a finished run and a checkpoint of another run (or global batch)
+        manifest = read_manifest(Path(cfg.launch.resume))
+        check_resumable(manifest, cfg, Path(cfg.launch.resume))
+        check_work_left(manifest["step"], cfg.run.stop_at or cfg.run.steps, Path(cfg.launch.resume))
+    port = cfg.launch.master_port or free_port()
+    if cfg.launch.master_port:
         check_port(port)
     run_dir = resolve_run_dir(cfg)
     data = load_data(cfg)  # fill the cache once, before the ranks race for it
-    if cfg.resume:
-        check_stream(read_manifest(Path(cfg.resume)), data.stream_id, Path(cfg.resume))
-    args = [*argv, "--out", str(run_dir)] if not cfg.resume else list(argv)
+    if cfg.launch.resume:
+        resumed = Path(cfg.launch.resume)
+        check_stream(read_manifest(resumed), data.stream_id, resumed)
+    args = [*argv, "--out", str(run_dir)] if not cfg.launch.resume else list(argv)
     procs = []
     for rank in range(world):
         env = rank_env(rank, world, port, NOBUBBLE_LAUNCHED="1")
         command = [sys.executable, "-m", "nobubble", "train", *args, "--runtime", "dist"]
-        if rank != cfg.stages - 1:  # the writer (the last stage of replica 0) shows progress
+        if rank != cfg.num_ranks - 1:  # the writer (the last stage of replica 0) shows progress
             command.append("--no-progress")
         procs.append(subprocess.Popen(command, env=env))
     failed = _watch(procs)

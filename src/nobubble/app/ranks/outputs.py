@@ -47,7 +47,7 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) 
     events += trace_events(comm, time_scale_us=1e6, process_name="communication", pid=1)
     save_trace(run.run_dir / "trace.json", events)
     title = (
-        f"{run.cfg.schedule}  measured, {run.env.world_size} processes  "
+        f"{run.cfg.schedule.schedule}  measured, {run.env.world_size} processes  "
         f"bubble {util['bubble_share']:.1%}"
     )
     save_gantt(run.run_dir / "timeline.png", [(title, lanes)], time_unit="seconds")
@@ -69,10 +69,11 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) 
     summary = run_summary(run.cfg, run.records, peaks, sample)
     summary.update({"runtime": "dist", "backend": dist.get_backend(), **util})
     summary["memory"] = [g["memory"] for g in gathered]  # per rank, in bytes
-    if run.cfg.data_parallel > 1:  # seconds per all-reduce, and the share hidden behind work
+    # seconds per all-reduce, and the share hidden behind work
+    if run.cfg.runtime.data_parallel > 1:
         figures = [g["allreduce"] for g in gathered]
         summary.update(
-            data_parallel=run.cfg.data_parallel,
+            data_parallel=run.cfg.runtime.data_parallel,
             allreduce_s=sum(f["allreduce_s"] for f in figures) / len(figures),
             allreduce_overlap=sum(f["allreduce_overlap"] for f in figures) / len(figures),
         )

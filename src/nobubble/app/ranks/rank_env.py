@@ -47,8 +47,9 @@ def check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGrou
         return
     reference: list[Any] = [cfg.fingerprint()]
     dist.broadcast_object_list(reference, src=0, group=group)
-    fields = sorted(k for k, v in cfg.fingerprint().items() if reference[0].get(k) != v)
-    mine = ", ".join(f"{k}={getattr(cfg, k)!r} (rank 0: {reference[0].get(k)!r})" for k in fields)
+    here = cfg.fingerprint()
+    keys = sorted(k for k, v in here.items() if reference[0].get(k) != v)
+    mine = ", ".join(f"{k}={here[k]!r} (rank 0: {reference[0].get(k)!r})" for k in keys)
     raise ValueError(
         f"ranks {differ} run a different configuration than rank 0 (config hash "
         f"mismatch{'; here ' + mine if mine else ''}): start every rank with the "

@@ -38,21 +38,16 @@ from nobubble.app.train.trainer import (
     validation_loss,
 )
 from nobubble.core.host_memory import PeakSampler, peak_rss_bytes, rss_bytes
-from nobubble.core.ir import Action
 from nobubble.core.sim.metrics import measured_utilization
-from nobubble.engine import Interpreter, misplaced
+from nobubble.engine import misplaced
 from nobubble.runtime.distributed.clock import CudaClock, HostClock
 from nobubble.runtime.distributed.data_parallel import overlap
-
-
-class RankFailure(RuntimeError):
-    """This rank could not continue; the message names rank, action and the resume point."""
 
 
 class RankRun:
     def __init__(self, cfg: TrainConfig, env: RankEnv, device: torch.device) -> None:
         self.cfg, self.env, self.device = cfg, env, device
-        P = self.num_ranks = cfg.stages  # pipeline ranks per replica
+        P = self.num_ranks = cfg.num_ranks  # pipeline ranks per replica
         # rank: the global rank; pp and dp: its coordinates on the (dp, pp) mesh
         self.rank, self.pp, self.dp = env.rank, env.rank % P, env.rank // P
         # Object collectives (pickles) go over gloo: on NCCL they would cross the GPU.
@@ -62,11 +57,11 @@ class RankRun:
         dist.broadcast_object_list(run_dir, src=0, group=self.objects)  # one directory for all
         self.run_dir = Path(run_dir[0])
         self.start_step, manifest = 0, None
-        if cfg.resume:
+        if cfg.launch.resume:
             manifest = read_manifest(self.run_dir)
             check_resumable(manifest, cfg, self.run_dir)
             self.start_step = manifest["step"]
-            check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
+            check_work_left(self.start_step, cfg.run.stop_at or cfg.run.steps, self.run_dir)
         if self.rank != 0:
             self._barrier()  # rank 0 fills the data cache first (tokenizer training, encoding)
         self.data = load_data(cfg)
@@ -89,7 +84,7 @@ class RankRun:
         self.clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
         # the runner checks what every rank will post under NCCL's rules before it runs it
         observe = Observer(
-            record=True, clock=self.clock, strict_p2p=cfg.strict_p2p, on_step=self._on_step
+            record=True, clock=self.clock, strict_p2p=cfg.launch.strict_p2p, on_step=self._on_step
         )
         self.pipe = make_pipeline(self.plan, stages, observe)
         assert (self.pipe.rank, self.pipe.dp_rank) == (self.pp, self.dp), "mesh layout"
@@ -97,7 +92,7 @@ class RankRun:
         self.peak_sampler = (
             PeakSampler(self._doing).start() if os.environ.get("NOBUBBLE_PEAK_WHERE") else None
         )
-        self.reshape = manifest is not None and reshaped(manifest, cfg.fingerprint())
+        self.reshape = manifest is not None and reshaped(manifest, cfg)
         if manifest is not None:
             resume_pipeline(self.pipe, self.run_dir, manifest, self.reshape, self.device)
             for worker in self.pipe.workers:
@@ -115,37 +110,20 @@ class RankRun:
         # failure there names the meeting and the ranks it waits for, not the last action.
         self.meeting: tuple[str, list[int]] | None = None
 
-    # ----- the pipeline's runner: its transport, interpreter and position ------------------------
-    @property
-    def runner(self) -> Any:
-        return self.pipe.emulator
-
-    @property
-    def transport(self) -> Any:
-        return self.runner.transport
-
-    @property
-    def interpreter(self) -> Interpreter:
-        return self.runner.interpreter
-
-    @property
-    def current(self) -> Action | None:
-        return self.runner.current
-
-    @property
-    def position(self) -> int:
-        return int(self.runner.pointer[self.pp])
+    def where(self) -> Any:
+        """This rank's position, its action and the peer it waits for (``RankPosition``)."""
+        return self.pipe.where()
 
     # ----- the loop ------------------------------------------------------------------------------
     def run(self) -> RunResult | None:
         from tqdm import tqdm
 
         writer = self._open_run_dir()
-        show = self.rank == self.last and self.cfg.progress
+        show = self.rank == self.last and self.cfg.launch.progress
         self.bar = bar = tqdm(
-            total=self.cfg.steps,
+            total=self.cfg.run.steps,
             initial=self.start_step,
-            desc=f"{self.cfg.schedule} (dist, {self.env.world_size} ranks)",
+            desc=f"{self.cfg.schedule.schedule} (dist, {self.env.world_size} ranks)",
             unit="step",
             disable=not show,
             leave=False,
@@ -155,7 +133,7 @@ class RankRun:
         self.t0 = float(start_time[0]) - self._resumed_elapsed()
         # validations and checkpoints so far: off the training clock (train_s = elapsed - paused)
         self.paused_s = self._resumed_elapsed() - self._resumed_train()
-        stop = self.cfg.stop_at or self.cfg.steps
+        stop = self.cfg.run.stop_at or self.cfg.run.steps
         try:
             done = self.start_step
             for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
@@ -171,7 +149,7 @@ class RankRun:
     def _run_until(self, done: int, step: int) -> None:
         """Feed batches ``done`` .. ``step - 1`` and drain after step ``step``."""
         m = self.cfg.num_microbatches
-        b, d = self.cfg.micro_batch_size, self.cfg.data_parallel
+        b, d = self.cfg.run.micro_batch_size, self.cfg.runtime.data_parallel
         for j in range(done, step):
             # replica r's micro-batch i: the r-th slice of global micro-batch i (D·b sequences)
             pieces = [
@@ -183,7 +161,6 @@ class RankRun:
             x, y = torch.cat([a for a, _ in pieces]), torch.cat([b for _, b in pieces])
             self._collect(self.pipe.step(x, y))
         self._collect(self.pipe.drain())  # runs through this rank's STEP `step`, sends done
-        self.clock.settle(self.interpreter)  # a GPU's spans become seconds here
 
     def _on_step(self, number: int) -> None:
         if number not in self.step_times:  # a rank with several stages takes a STEP for each
@@ -204,8 +181,9 @@ class RankRun:
         entered = time.time()
         self.meeting = f"running the pipelined validation after step {step}", self._neighbours()
         val_loss = validation_loss(self.pipe, self.cfg, self.data)
-        segment = self.interpreter.spans[self.segment_start :]
-        self.segment_start = len(self.interpreter.spans)
+        spans = self.pipe.spans()  # settled: a GPU's spans are seconds after each drain
+        segment = spans[self.segment_start :]
+        self.segment_start = len(spans)
         mine = {
             "stages": self.local,
             "grad_norms": self.grad_norms,
@@ -222,12 +200,12 @@ class RankRun:
         if self.rank == self.last:
             self._write_records(step, gathered, val_loss, writer)
         self.grad_norms, self.step_times = {}, {}
-        every = self.cfg.checkpoint_every
-        if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
+        every = self.cfg.run.checkpoint_every
+        if step in (self.cfg.run.steps, self.cfg.run.stop_at) or (every and step % every == 0):
             self.meeting = f"writing the checkpoint of step {step}", others
             # one part per stage, written by dp 0; a sharded stage's part is gathered from its
             # dp group first (whole tensors, the replicated format), so every replica takes part
-            if self.dp == 0 or self.cfg.shard != "none":
+            if self.dp == 0 or self.cfg.runtime.shard != "none":
                 for worker in self.workers:
                     part = worker.state_dict(copy=False)  # written at once: no copy
                     if self.dp == 0:
@@ -263,7 +241,7 @@ class RankRun:
         val_loss: float | None,
         writer: MetricsWriter | None,
     ) -> None:
-        m, P, D = self.cfg.num_microbatches, self.num_ranks, self.cfg.data_parallel
+        m, P, D = self.cfg.num_microbatches, self.num_ranks, self.cfg.runtime.data_parallel
         done = sorted(gathered[self.last]["times"])
         for j in done:
             # a micro-batch's loss: the mean of its D slices' (equal-size means), replica order
@@ -294,7 +272,7 @@ class RankRun:
             self._barrier()
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not self.cfg.resume or self.reshape:  # the run's split is the resumed one's
+        if not self.cfg.launch.resume or self.reshape:  # the run's split is the resumed one's
             payload = {
                 "config": self.cfg.to_json(),
                 "provenance": provenance(),
@@ -307,7 +285,7 @@ class RankRun:
                 },
             }
             (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
-        if self.cfg.resume:
+        if self.cfg.launch.resume:
             truncate_metrics(self.run_dir, self.start_step)
         writer = MetricsWriter(self.run_dir)
         self._barrier()
@@ -336,7 +314,8 @@ class RankRun:
         meeting = getattr(self, "meeting", None)  # set once the run starts
         if meeting is not None:
             return str(meeting[0])
-        return f"running {self.current or 'between actions'}"
+        current = self.where().current if getattr(self, "pipe", None) is not None else None
+        return f"running {current or 'between actions'}"
 
     def _finish(self) -> RunResult | None:
         self.meeting = "sampling text through the stages", self._neighbours()
@@ -347,12 +326,12 @@ class RankRun:
             where = dict(zip(("sampled_peak", "peak_where"), self.peak_sampler.stop(), strict=True))
         mine = {
             "stages": self.local,
-            "spans": [(str(a), s, e) for a, s, e in self.interpreter.spans],
-            "comm": [(k, str(a), s, e) for k, a, s, e in self.interpreter.comm],
+            "spans": [(str(a), s, e) for a, s, e in self.pipe.spans()],
+            "comm": [(k, str(a), s, e) for k, a, s, e in self.pipe.comm_spans()],
             "peaks": [
                 (w.peak_saved, w.peak_activation_bytes, w.versions.peak_live) for w in self.workers
             ],
-            "allreduce": overlap(getattr(self.transport.reducer, "spans", {})),
+            "allreduce": overlap(self.pipe.allreduce_spans()),
             "memory": {
                 "rank": self.rank,
                 **rank_memory(self.workers, self.rss_before_model, self.peak_after_model),
@@ -367,6 +346,5 @@ class RankRun:
 
 
 __all__ = [
-    "RankFailure",
     "RankRun",
 ]

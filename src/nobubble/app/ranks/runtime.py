@@ -22,6 +22,7 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,6 @@ from nobubble.app.train.trainer import (
     RunResult,
 )
 from nobubble.core.ir import STEP
-from nobubble.runtime.distributed.transport import StrictTransport
 from nobubble.runtime.distributed.waits import shutdown
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,17 @@ def resolve_device(
 ) -> tuple[torch.device, str]:
     """This rank's device and the process group's backend, or a ValueError naming the fix."""
     cuda = torch.cuda.is_available()
-    kind = cfg.device if cfg.device != "auto" else ("cuda" if cuda else "cpu")
+    kind = cfg.launch.device if cfg.launch.device != "auto" else ("cuda" if cuda else "cpu")
     if kind == "cuda" and not cuda:
         raise ValueError(
             f"--device cuda, but torch {torch.__version__} sees no GPU: install a "
             "CUDA build of torch on a machine with GPUs, or use --device cpu"
         )
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if kind == "cuda" else "gloo")
+    backend = (
+        cfg.launch.backend
+        if cfg.launch.backend != "auto"
+        else ("nccl" if kind == "cuda" else "gloo")
+    )
     if backend == "nccl" and kind != "cuda":
         raise ValueError(
             "--backend nccl moves GPU tensors only: use --device cuda, or --backend gloo on CPUs"
@@ -76,20 +80,20 @@ def resolve_device(
 def run_rank(cfg: TrainConfig) -> RunResult | None:
     """Entry point of one process (torchrun or ``nobubble train --runtime dist``)."""
     env = RankEnv.from_environ()
-    world = cfg.stages * cfg.data_parallel
+    world = cfg.num_ranks * cfg.runtime.data_parallel
     if env.world_size != world:
-        layout = f"--stages {cfg.stages}"
-        if cfg.data_parallel > 1:
-            layout += f" × --data-parallel {cfg.data_parallel} = {world}"
+        layout = f"--stages {cfg.num_ranks}"
+        if cfg.runtime.data_parallel > 1:
+            layout += f" × --data-parallel {cfg.runtime.data_parallel} = {world}"
         raise ValueError(
             f"world size {env.world_size} does not match {layout}: launch {world} processes "
             f"(torchrun --nproc-per-node {world}, or --nnodes N with {world} in all) or set "
             f"--stages and --data-parallel so that their product is {env.world_size}"
         )
     device, backend = resolve_device(cfg, env.local_rank, env.local_world_size)
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    threads = cfg.launch.threads or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
-    timeout = cfg.dist_timeout
+    timeout = cfg.runtime.dist_timeout
     if device.type == "cuda":  # CUDA events, autocast and new tensors default to this GPU
         torch.cuda.set_device(device)
     if backend == "nccl":
@@ -112,18 +116,23 @@ def run_rank(cfg: TrainConfig) -> RunResult | None:
 
 
 def _close(run: RankRun | None) -> None:
-    if run is not None and isinstance(run.transport, StrictTransport):
-        run.transport.close()  # its stream thread ends here, not at interpreter exit
+    if run is not None and getattr(run, "pipe", None) is not None:
+        run.pipe.close_transport()  # a strict stream's thread ends here, not at interpreter exit
 
 
 def _coordinates(cfg: TrainConfig, rank: int, run: RankRun | None = None) -> str:
     """``3 (dp 1, pp 1: stage 1)``: a global rank, its place on the (dp, pp) mesh and the
     stages it runs (several in interleaved and V placements, once the plan is known)."""
-    dp, pp = divmod(rank, cfg.stages)
+    dp, pp = divmod(rank, cfg.num_ranks)
     plan = getattr(run, "plan", None)
     local = plan.placement.stages_of(pp) if plan is not None else (pp,)
     stages = f"stage {local[0]}" if len(local) == 1 else "stages " + ", ".join(map(str, local))
     return f"{rank} (dp {dp}, pp {pp}: {stages})"
+
+
+def _position(run: RankRun | None) -> Any:
+    """Where the rank's runner stands, once the pipeline is built (``RankPosition``)."""
+    return run.where() if run is not None and getattr(run, "pipe", None) is not None else None
 
 
 def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -> None:
@@ -133,22 +142,27 @@ def _fail(env: RankEnv, cfg: TrainConfig, run: RankRun | None, err: Exception) -
         what, ranks = run.meeting
         names = ", ".join(_coordinates(cfg, r, run) for r in ranks)
         where = f"while {what}, waiting for rank{'s' if len(ranks) > 1 else ''} {names}"
-    elif run is not None and getattr(run, "pipe", None) is not None and run.current is not None:
-        peer = run.transport.peer_of_last_wait  # a stage of this replica
-        posted = getattr(run.transport, "peers_of_failed_post", [])  # global ranks
+    elif run is not None and (at := _position(run)) is not None and at.current is not None:
+        peer, posted = at.waiting_for, at.posting_to  # a stage of this replica; global ranks
         waiting = ""
         if peer is not None:
-            waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.stages + peer, run)}"
+            waiting = f", waiting for rank {_coordinates(cfg, run.dp * cfg.num_ranks + peer, run)}"
         elif posted:
             names = ", ".join(_coordinates(cfg, r, run) for r in posted)
             waiting = f", posting its transfers with rank{'s' if len(posted) > 1 else ''} {names}"
-        elif cfg.data_parallel > 1 and (run.current.kind == STEP or cfg.shard != "none"):
-            peers = [d * cfg.stages + run.pp for d in range(cfg.data_parallel) if d != run.dp]
+        elif cfg.runtime.data_parallel > 1 and (
+            at.current.kind == STEP or cfg.runtime.shard != "none"
+        ):
+            peers = [
+                d * cfg.num_ranks + run.pp for d in range(cfg.runtime.data_parallel) if d != run.dp
+            ]
             names = ", ".join(_coordinates(cfg, r, run) for r in peers)
-            what = "all-reduce" if cfg.shard == "none" else "collectives of the sharded stage"
+            what = (
+                "all-reduce" if cfg.runtime.shard == "none" else "collectives of the sharded stage"
+            )
             waiting = f", in the dp {what} with rank{'s' if len(peers) > 1 else ''} {names}"
-        where = f"at position {run.position} ({run.current}){waiting}"
-    run_dir = run.run_dir if run is not None else (cfg.resume or cfg.out)
+        where = f"at position {at.position} ({at.current}){waiting}"
+    run_dir = run.run_dir if run is not None else (cfg.launch.resume or cfg.launch.out)
     try:
         step = read_manifest(Path(str(run_dir)))["step"] if run_dir else None
     except ValueError:

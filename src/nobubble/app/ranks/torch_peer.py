@@ -36,7 +36,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -107,11 +106,11 @@ def peer_config(cfg: TrainConfig, schedule: str, virtual_stages: int | None = No
         )
     cls, name = TORCH_SCHEDULES[schedule]
     loop = SCHEDULES[name].placement == "loop"
-    virtual = (virtual_stages or cfg.virtual_stages) if loop else None
+    virtual = (virtual_stages or cfg.schedule.virtual_stages) if loop else None
     try:
         # runtime "emulate": torch's engine runs the peer, so nobubble's multi-process runtime
         # and what it cannot run yet (several stages per rank) do not apply
-        return replace(cfg, schedule=name, virtual_stages=virtual, runtime="emulate")
+        return cfg.replace(schedule=name, virtual_stages=virtual, runtime="emulate")
     except ValueError as err:
         raise ValueError(
             f"{schedule} (torch's {cls.__name__}, placed and cut as nobubble's {name}): {err}"
@@ -119,10 +118,10 @@ def peer_config(cfg: TrainConfig, schedule: str, virtual_stages: int | None = No
 
 
 def peer_placement(cfg: TrainConfig) -> Placement:
-    """Which stages each rank holds: the placement of ``cfg.schedule``, as torch maps them
+    """Which stages each rank holds: the placement of ``cfg.schedule.schedule``, as torch maps them
     (``generate_stage_to_rank_mapping``: "loop" for the interleaved classes, "v" for ZBV)."""
-    info = SCHEDULES[cfg.schedule]
-    return Placement(info.placement, cfg.stages, cfg.model_stages // cfg.stages)
+    info = SCHEDULES[cfg.schedule.schedule]
+    return Placement(info.placement, cfg.num_ranks, cfg.model_stages // cfg.num_ranks)
 
 
 def batch_of(data: TokenData, j: int, m: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,20 +136,20 @@ class PeerRun:
     def __init__(self, cfg: TrainConfig, schedule: str, device: torch.device) -> None:
         self.cfg = peer_config(cfg, schedule)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.world != cfg.stages:
+        if self.world != cfg.num_ranks:
             raise ValueError(
-                f"world size {self.world} does not match --stages {cfg.stages}: start "
-                f"{cfg.stages} processes or set --stages {self.world}"
+                f"world size {self.world} does not match --stages {cfg.num_ranks}: start "
+                f"{cfg.num_ranks} processes or set --stages {self.world}"
             )
         self.device = device
         self.data = load_data(self.cfg)
         plan = make_plan(self.cfg, self.data.vocab_size)
-        autocast = torch.bfloat16 if cfg.dtype == "bf16" else None
+        autocast = torch.bfloat16 if cfg.compute.dtype == "bf16" else None
         stages = make_model(plan).stages
         if any(getattr(stage, "tied_parameters", None) for stage in stages):
             raise ValueError(
-                f"--model {cfg.model} ties its input and output embeddings across stages, and "
-                "torch's schedules would update the two copies apart: add --untie-embeddings"
+                f"--model {cfg.model.model} ties its input and output embeddings across stages, "
+                "and torch's schedules would update the two copies apart: add --untie-embeddings"
             )
         self.num_stages = len(stages)  # v·P
         self.mine = peer_placement(self.cfg).stages_of(self.rank)
@@ -192,7 +191,7 @@ class PeerRun:
 
     def run_batch(self, j: int) -> None:
         """Forwards and backwards of batch j: the averaged gradient lands in ``.grad``."""
-        x, y = batch_of(self.data, j, self.m, self.cfg.micro_batch_size)
+        x, y = batch_of(self.data, j, self.m, self.cfg.run.micro_batch_size)
         for stage in self.pipe:
             stage.first = j * self.m
         args = (x.to(self.device),) if 0 in self.mine else ()
@@ -219,7 +218,7 @@ class PeerRun:
             params = list(module.parameters())
             if self.optim_cfg.clip_norm is not None:
                 scale_grads_(params, clip_coefficient(norm, self.optim_cfg.clip_norm))
-            optimizer.set_lr(lr_at(j, self.cfg.steps, self.optim_cfg))
+            optimizer.set_lr(lr_at(j, self.cfg.run.steps, self.optim_cfg))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cpu":
@@ -229,7 +228,7 @@ class PeerRun:
         """All steps; the wall time at which this rank finished each, from a common start."""
         dist.barrier()
         t0, ends = time.time(), []
-        for j in range(self.cfg.steps):
+        for j in range(self.cfg.run.steps):
             self.run_batch(j)
             self.apply(j)
             ends.append(time.time() - t0)
@@ -246,16 +245,16 @@ def result_of(run: PeerRun, schedule: str, gathered: list[Any]) -> dict:
     losses = next(g[2] for g in gathered if g[2])
     lanes = [[(Action.parse(a), s, e) for a, s, e in g[3]] for g in gathered]
     util = measured_utilization(lanes) if all(lanes) else None
-    end = [max(e[j] for e in ends) for j in range(cfg.steps)]  # a step ends on its last rank
-    warm = max(1, cfg.steps // 10)  # the same steady window as nobubble's run_summary
+    end = [max(e[j] for e in ends) for j in range(cfg.run.steps)]  # a step ends on its last rank
+    warm = max(1, cfg.run.steps // 10)  # the same steady window as nobubble's run_summary
     window = end[-1] - end[warm - 1]
-    tokens = (cfg.steps - warm) * cfg.tokens_per_step
+    tokens = (cfg.run.steps - warm) * cfg.tokens_per_step
     return {
         "schedule": schedule,
-        "stages": cfg.stages,
-        "stages_per_rank": cfg.model_stages // cfg.stages,
+        "stages": cfg.num_ranks,
+        "stages_per_rank": cfg.model_stages // cfg.num_ranks,
         "microbatches": run.m,
-        "steps": cfg.steps,
+        "steps": cfg.run.steps,
         "warmup_steps": warm,
         "tokens_per_step": cfg.tokens_per_step,
         "tokens_per_s": tokens / window if window > 0 else None,
@@ -272,17 +271,19 @@ def result_of(run: PeerRun, schedule: str, gathered: list[Any]) -> dict:
 
 
 def run_peer(cfg: TrainConfig, schedule: str, result: Path) -> None:
-    """Entry of one process: train ``cfg.steps`` steps; rank 0 writes ``result``."""
+    """Entry of one process: train ``cfg.run.steps`` steps; rank 0 writes ``result``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     # torch as its users run it: glibc's own thresholds, unless NOBUBBLE_MALLOC=tuned
     tune_host_allocator(default="default")
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(cfg.launch.threads or max(1, (os.cpu_count() or 1) // world))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.runtime.dist_timeout)
+    )
     run: PeerRun | None = None
     try:
         run = PeerRun(cfg, schedule, device)

@@ -55,18 +55,18 @@ class Plan:
     @property
     def drain_points(self) -> list[int]:
         """Steps after which nothing is in flight: evaluation and checkpoint points."""
-        every = self.cfg.eval_every
-        return sorted({*range(every, self.cfg.steps, every), self.cfg.steps})
+        every = self.cfg.run.eval_every
+        return sorted({*range(every, self.cfg.run.steps, every), self.cfg.run.steps})
 
 
 def make_schedule(cfg: TrainConfig) -> Schedule:
     """The whole schedule of a run of ``cfg`` as its pipeline runs it (drained at the drain
     points), for what looks at a run from outside: projections and tests of the parts."""
-    spec = cfg.schedule_spec
-    drain = None if spec.info.synchronous else cfg.eval_every
+    spec = cfg.schedule
+    drain = None if spec.info.synchronous else cfg.run.eval_every
     schedule = spec.generate(
-        cfg.stages,
-        cfg.steps,
+        cfg.num_ranks,
+        cfg.run.steps,
         drain_every=drain,
         sync_warmup=cfg.sync_warmup_steps,
         max_actions=None,
@@ -76,12 +76,12 @@ def make_schedule(cfg: TrainConfig) -> Schedule:
 
 
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
-    placement = cfg.schedule_spec.placement(cfg.stages)
-    if cfg.is_hf:
+    placement = cfg.schedule.placement(cfg.num_ranks)
+    if cfg.model.is_hf:
         _check_hf_vocab(cfg, vocab_size)
         return Plan(cfg, placement, None, [])
-    model_cfg = model_config(cfg.model, vocab_size, cfg.seq_len)
-    ranges = partition_layers(model_cfg, placement.num_stages, seq_len=cfg.seq_len)  # v·P
+    model_cfg = model_config(cfg.model.model, vocab_size, cfg.data.seq_len)
+    ranges = partition_layers(model_cfg, placement.num_stages, seq_len=cfg.data.seq_len)  # v·P
     return Plan(cfg, placement, model_cfg, ranges)
 
 
@@ -93,7 +93,7 @@ def _check_hf_vocab(cfg: TrainConfig, vocab_size: int) -> None:
     if vocab_size > model_vocab:
         raise ValueError(
             f"the data's tokenizer has {vocab_size:,} tokens, more than the {model_vocab:,} of "
-            f"--model {cfg.model}: use --vocab-size {model_vocab} or less"
+            f"--model {cfg.model.model}: use --vocab-size {model_vocab} or less"
         )
 
 
@@ -122,7 +122,7 @@ def make_model(
     if local is not None and plan.model_cfg is not None:
         return _gpt_per_stage(plan, local, device)
     if local is not None:
-        path = plan.cfg.model.removeprefix("hf:")
+        path = plan.cfg.model.model.removeprefix("hf:")
         from nobubble.model.hf import weights_of
 
         try:
@@ -150,8 +150,8 @@ def _whole_model(plan: Plan) -> Model:
     from nobubble.model.hf import load_model
 
     cfg = plan.cfg
-    whole = load_model(cfg.model.removeprefix("hf:"), seed=cfg.seed)
-    stages = split(whole, cfg.model_stages, untie=cfg.untie_embeddings)
+    whole = load_model(cfg.model.model.removeprefix("hf:"), seed=cfg.run.seed)
+    stages = split(whole, cfg.model_stages, untie=cfg.model.untie_embeddings)
     return _hf_model(plan, stages, whole)
 
 
@@ -161,7 +161,7 @@ def _hf_model(plan: Plan, stages: list[nn.Module], whole: Any) -> Model:
     num_params = sum(p.numel() for p in whole.parameters())
     log.info(
         "model %s: %.2fM parameters, blocks per stage %s",
-        plan.cfg.model,
+        plan.cfg.model.model,
         num_params / 1e6,
         [f"{r.start}-{r.stop - 1}" for r in ranges],
     )
@@ -175,9 +175,9 @@ def _hf_per_stage(
     from nobubble.model.hf import meta_model
 
     cfg = plan.cfg
-    whole = meta_model(cfg.model.removeprefix("hf:"))
-    stages = split(whole, cfg.model_stages, untie=cfg.untie_embeddings)
-    seed = None if weights is not None else cfg.seed
+    whole = meta_model(cfg.model.model.removeprefix("hf:"))
+    stages = split(whole, cfg.model_stages, untie=cfg.model.untie_embeddings)
+    seed = None if weights is not None else cfg.run.seed
     materialize(stages, local, seed=seed, weights=weights, device=device or "cpu")
     model = _hf_model(plan, stages, whole)
     model.whole = None  # on meta but for this rank's stages: nothing to evaluate whole
@@ -190,7 +190,7 @@ def _gpt_per_stage(plan: Plan, local: Sequence[int], device: torch.device | None
         gpt = GPT(plan.model_cfg)
     stages = split_model(gpt, plan.num_stages, plan.layer_ranges, share=True)
     remember(stages, gpt)
-    materialize(stages, local, seed=plan.cfg.seed, device=device or "cpu")
+    materialize(stages, local, seed=plan.cfg.run.seed, device=device or "cpu")
     return Model(list(stages), None, plan.layer_ranges, plan.model_cfg.num_params())
 
 
@@ -210,8 +210,8 @@ def _check_val_split(cfg: TrainConfig, data: TokenData) -> None:
     fixes = [f"--seq-len {longest} or less"] if longest >= 1 else []
     fixes += [f"--micro-batch-size {windows} or less"] if windows >= 1 else []
     raise ValueError(
-        f"--seq-len {cfg.seq_len} cuts the {data.num_val_tokens:,} validation tokens of "
-        f"--data {cfg.data} into {windows} windows of seq-len + 1 tokens, fewer than one "
+        f"--seq-len {cfg.data.seq_len} cuts the {data.num_val_tokens:,} validation tokens of "
+        f"--data {cfg.data.data} into {windows} windows of seq-len + 1 tokens, fewer than one "
         f"micro-batch of --micro-batch-size {batch} for evaluation: use "
         + ", or ".join([*fixes, "more text"])
     )
@@ -220,13 +220,13 @@ def _check_val_split(cfg: TrainConfig, data: TokenData) -> None:
 def make_stages(plan: Plan) -> list[StageModule]:
     """All stage modules; each rank of the runtime keeps only its own."""
     assert plan.model_cfg is not None, "the internal GPT's stages"
-    model = build_model(plan.model_cfg, plan.cfg.seed)
+    model = build_model(plan.model_cfg, plan.cfg.run.seed)
     log.info(
         "model %s: %.2fM parameters, split over %d stages:\n%s",
-        plan.cfg.model,
+        plan.cfg.model.model,
         plan.model_cfg.num_params() / 1e6,
         plan.num_stages,
-        describe_partition(plan.model_cfg, plan.layer_ranges, seq_len=plan.cfg.seq_len),
+        describe_partition(plan.model_cfg, plan.layer_ranges, seq_len=plan.cfg.data.seq_len),
     )
     return split_model(model, plan.num_stages, plan.layer_ranges)
 

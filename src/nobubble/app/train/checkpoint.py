@@ -1,4 +1,5 @@
-"""Checkpoints at drain points (design.md section 5): one part per stage plus a manifest.
+"""Checkpoints at drain points (docs/semantics.md, "Schedule fields"): one part per stage plus
+a manifest.
 
 Layout of ``RUN/checkpoint/``, for P stages:
 
@@ -127,7 +128,7 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 # asynchronous schedule then runs a new pipeline from the drained state (its delays, versions
 # and ledger restart at the new depth). The schedule, the micro-batches and every other field
 # stay: they change the numbers.
-SHAPE = ("stages", "virtual_stages")
+SHAPE = ("num_ranks", "virtual_stages")
 
 
 def check_fingerprint(manifest: dict[str, Any], fingerprint: dict[str, Any], where: Path) -> None:
@@ -154,22 +155,21 @@ def check_resumable(manifest: dict[str, Any], cfg: Any, where: Path) -> None:
     now = cfg.global_micro_batch_size
     if saved != now:
         hint = (
-            f"--micro-batch-size {saved // cfg.data_parallel} at --data-parallel "
-            f"{cfg.data_parallel}"
-            if isinstance(saved, int) and saved % cfg.data_parallel == 0
+            f"--micro-batch-size {saved // cfg.runtime.data_parallel} at --data-parallel "
+            f"{cfg.runtime.data_parallel}"
+            if isinstance(saved, int) and saved % cfg.runtime.data_parallel == 0
             else f"a --data-parallel that divides {saved}"
         )
         raise CheckpointError(
             f"the checkpoint in {str(where)!r} trained global micro-batches of {saved} sequences; "
-            f"--micro-batch-size {cfg.micro_batch_size} × --data-parallel {cfg.data_parallel} "
-            f"= {now} would change the run: use {hint}"
+            f"--micro-batch-size {cfg.run.micro_batch_size} × --data-parallel "
+            f"{cfg.runtime.data_parallel} = {now} would change the run: use {hint}"
         )
-    # a field added since the checkpoint was written ran at its default there
-    defaults = {
-        k: v for k, v in type(cfg)().fingerprint().items() if k not in manifest["fingerprint"]
-    }
+    # under today's key names; a field added since the checkpoint was written ran at its default
+    written = type(cfg).normalized(manifest["fingerprint"])
+    defaults = {k: v for k, v in type(cfg)().fingerprint().items() if k not in written}
     check_fingerprint(
-        {**manifest, "fingerprint": {**defaults, **manifest["fingerprint"]}},
+        {**manifest, "fingerprint": {**defaults, **written}},
         cfg.fingerprint(),
         where,
     )
@@ -213,10 +213,11 @@ def stage_weights(run_dir: Path, manifest: dict[str, Any], stage: int) -> dict[s
     return read_shard(checked_file(run_dir, manifest, record["file"]), record["aliases"])
 
 
-def reshaped(manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
-    """Whether a resume runs at another split than the checkpoint's (``SHAPE``)."""
-    saved = manifest["fingerprint"]
-    return any(saved.get(k, fingerprint[k]) != fingerprint[k] for k in SHAPE)
+def reshaped(manifest: dict[str, Any], cfg: Any) -> bool:
+    """Whether a resume of ``cfg`` runs at another split than the checkpoint's (``SHAPE``)."""
+    saved = type(cfg).normalized(manifest["fingerprint"])  # under today's key names
+    now = cfg.fingerprint()
+    return any(saved.get(k, now[k]) != now[k] for k in SHAPE)
 
 
 def resume_pipeline(

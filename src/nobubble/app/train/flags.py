@@ -1,11 +1,12 @@
-"""The flags of ``nobubble train``: one per ``TrainConfig`` field (a config file may set the same),
-and the ``TrainConfig`` an argument list gives. Every way of starting a run from flags (the
-command line, the experiment runner, segments, the torch peer) goes through here."""
+"""The flags of ``nobubble train``: one per ``TrainConfig`` key, a section field (a config file
+may set the same), and the ``TrainConfig`` an argument list gives. Every way of starting a run
+from flags (the command line, the experiment runner, segments, the torch peer) goes through
+here."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 # The flags of the run itself; a flag that configures the pipeline takes its help from its spec
 # field (nobubble.api.config) and its choices from the registries (``_from_specs``).
 HELP = {
+    "num_ranks": "pipeline ranks P (v·P stages for the looped schedules, 2P for the V ones)",
     "model": "a preset (tiny, mini, small, medium, ...) or hf:PATH, a Hugging Face model folder "
     "or config.json (Llama family, GPT-2)",
     "untie_embeddings": "train a tied Hugging Face head as its own parameter (async schedules)",
@@ -34,6 +36,10 @@ HELP = {
     "ranks share a GPU, every transfer through host memory (to debug)",
     "strict_p2p": "enforce NCCL's point-to-point rules on any backend (testing aid)",
 }
+
+
+# a key whose flag keeps another name
+FLAG_NAMES = {"num_ranks": "stages"}
 
 
 def _from_specs() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -87,15 +93,17 @@ def build_train_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--config", metavar="FILE", help="JSON or TOML file with the same keys")
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = None if f.default is MISSING else f.default
+    defaults = TrainConfig().to_json()
+    for key in TrainConfig.key_map():
+        # P keeps its former flag: --stages (the config key num_ranks also reads "stages")
+        flag = "--" + FLAG_NAMES.get(key, key).replace("_", "-")
+        default = defaults[key]
         kind: Any = {"int": int, "float": float, "bool": _parse_bool}.get(
             type(default).__name__, str
         )
-        if f.name in ("accum", "virtual_stages"):
+        if key in ("accum", "virtual_stages"):
             kind = int
-        if f.name == "progress":
+        if key == "progress":
             p.add_argument(
                 "--no-progress",
                 dest="progress",
@@ -105,13 +113,13 @@ def build_train_parser() -> argparse.ArgumentParser:
                 help="no progress bar",
             )
             continue
-        help_text = help_of.get(f.name, "") + f" (default {default})"
+        help_text = help_of.get(key, "") + f" (default {default})"
         p.add_argument(
             flag,
-            dest=f.name,
+            dest=key,
             type=kind,
             default=None,
-            choices=choices.get(f.name),
+            choices=choices.get(key),
             help=help_text.strip(),
         )
     return p
@@ -121,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from nobubble.app.train.config import TrainConfig
 
     values: dict[str, Any] = TrainConfig.load(args.config) if args.config else {}
-    names = {f.name for f in fields(TrainConfig)}
+    names = set(TrainConfig.key_map())
     values.update({k: v for k, v in vars(args).items() if k in names and v is not None})
     if args.resume and not args.config:  # a resumed run takes the saved settings by default
         saved = TrainConfig.load(f"{args.resume}/config.json")["config"]
@@ -130,4 +138,4 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_mapping(values)
 
 
-__all__ = ["build_train_parser", "config_from_args"]
+__all__ = ["FLAG_NAMES", "build_train_parser", "config_from_args"]

@@ -19,14 +19,14 @@ def sample(
 ) -> str | None:
     """A short seeded sample from the trained model, for people to read (a collective under
     runtime="dist": every rank calls it and gets the text)."""
-    if data.tokenizer is None or plan.cfg.sample_tokens == 0:
+    if data.tokenizer is None or plan.cfg.run.sample_tokens == 0:
         return None
     ids = pipe.generate(
         data.tokenizer.encode(prompt),
-        plan.cfg.sample_tokens,
-        context=plan.cfg.seq_len,
+        plan.cfg.run.sample_tokens,
+        context=plan.cfg.data.seq_len,
         temperature=temperature,
         top_k=top_k,
-        seed=plan.cfg.seed,
+        seed=plan.cfg.run.seed,
     )
     return data.tokenizer.decode(ids)

@@ -1,9 +1,9 @@
 """``nobubble train``: the training loop around the emulator, with evaluation, checkpoints and a
 run directory holding the resolved config, metrics, TensorBoard events, ledger and a sample.
 
-The loop runs the schedule from drain point to drain point (design.md section 5): there every
-stage holds the same weight version, so validation sees one well-defined model and a checkpoint
-holds no micro-batch in flight.
+The loop runs the schedule from drain point to drain point (docs/semantics.md, "Schedule
+fields"): there every stage holds the same weight version, so validation sees one well-defined
+model and a checkpoint holds no micro-batch in flight.
 """
 
 from __future__ import annotations
@@ -75,18 +75,18 @@ def provenance() -> dict[str, Any]:
 
 
 def resolve_run_dir(cfg: TrainConfig) -> Path:
-    if cfg.resume:
-        return Path(cfg.resume)
-    if cfg.out:
-        out = Path(cfg.out)
+    if cfg.launch.resume:
+        return Path(cfg.launch.resume)
+    if cfg.launch.out:
+        out = Path(cfg.launch.out)
         if (out / "metrics.jsonl").exists():
             raise ValueError(
-                f"--out {cfg.out!r} already holds a run: use --resume {cfg.out} to "
+                f"--out {cfg.launch.out!r} already holds a run: use --resume {cfg.launch.out} to "
                 "continue it, or another --out"
             )
         return out
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.schedule}-{cfg.optimizer}"
+    return Path("runs") / f"{stamp}-{cfg.schedule.schedule}-{cfg.optimizer.optimizer}"
 
 
 def validation_loss(pipe: Pipeline, cfg: TrainConfig, data: TokenData) -> float | None:
@@ -94,7 +94,7 @@ def validation_loss(pipe: Pipeline, cfg: TrainConfig, data: TokenData) -> float 
     (``--micro-batch-size`` × ``--data-parallel``) windows through the pipeline
     (``Pipeline.evaluate``), the mean of their losses; None on a rank of the multi-process
     runtime that does not hold the last stage."""
-    batches = data.val_batches(cfg.global_micro_batch_size, cfg.eval_batches)
+    batches = data.val_batches(cfg.global_micro_batch_size, cfg.run.eval_batches)
     inputs = torch.cat([x for x, _ in batches])
     targets = torch.cat([y for _, y in batches])
     return pipe.evaluate(inputs, targets, microbatches=len(batches))
@@ -105,11 +105,11 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        if cfg.launch.threads:
+            torch.set_num_threads(cfg.launch.threads)
         self.run_dir = resolve_run_dir(cfg)
         self.start_step, manifest = 0, None
-        if cfg.resume:  # check everything before any work or any write
+        if cfg.launch.resume:  # check everything before any work or any write
             saved = TrainConfig.load(self.run_dir / "config.json")["config"]
             check_fingerprint(
                 {"fingerprint": TrainConfig.from_mapping(saved).fingerprint()},
@@ -119,7 +119,7 @@ class Trainer:
             manifest = read_manifest(self.run_dir)
             check_resumable(manifest, cfg, self.run_dir)
             self.start_step = manifest["step"]
-            check_work_left(self.start_step, cfg.stop_at or cfg.steps, self.run_dir)
+            check_work_left(self.start_step, cfg.run.stop_at or cfg.run.steps, self.run_dir)
         self.data = load_data(cfg)
         if manifest is not None:
             check_stream(manifest, self.data.stream_id, self.run_dir)
@@ -130,7 +130,7 @@ class Trainer:
         # every action's duration recorded, for the projected clock of `bench time-to-target`
         self.pipe = make_pipeline(self.plan, self.model.stages, Observer(record=True))
         self.workers = self.pipe.workers
-        self.reshape = manifest is not None and reshaped(manifest, cfg.fingerprint())
+        self.reshape = manifest is not None and reshaped(manifest, cfg)
         if manifest is not None:
             resume_pipeline(self.pipe, self.run_dir, manifest, self.reshape)
         self.step_losses: dict[int, list[float]] = {}
@@ -141,7 +141,7 @@ class Trainer:
         """Batch ``step`` (0-based): its micro-batches, stacked along dim 0."""
         m = self.cfg.num_microbatches
         pieces = [
-            self.data.train_microbatch(i, self.cfg.micro_batch_size)
+            self.data.train_microbatch(i, self.cfg.run.micro_batch_size)
             for i in range(step * m, (step + 1) * m)
         ]
         return torch.cat([x for x, _ in pieces]), torch.cat([y for _, y in pieces])
@@ -180,8 +180,8 @@ class Trainer:
         record["val_loss"] = validation_loss(self.pipe, self.cfg, self.data)
         self.result.records.append(record)
         metrics.write(record)
-        every = self.cfg.checkpoint_every
-        if step in (self.cfg.steps, self.cfg.stop_at) or (every and step % every == 0):
+        every = self.cfg.run.checkpoint_every
+        if step in (self.cfg.run.steps, self.cfg.run.stop_at) or (every and step % every == 0):
             self._checkpoint(step)
         self.paused_s += time.perf_counter() - began
 
@@ -210,17 +210,17 @@ class Trainer:
         self.paused_s = self.elapsed_offset - self._resumed_train()
         metrics = MetricsWriter(self.run_dir)
         self.bar = tqdm(
-            total=self.cfg.steps,
+            total=self.cfg.run.steps,
             initial=self.start_step,
-            desc=self.cfg.schedule,
+            desc=self.cfg.schedule.schedule,
             unit="step",
-            disable=not self.cfg.progress,
+            disable=not self.cfg.launch.progress,
             leave=False,
         )
         self.t0 = time.perf_counter()
         step_done = self.start_step
         try:
-            stop = self.cfg.stop_at or self.cfg.steps
+            stop = self.cfg.run.stop_at or self.cfg.run.steps
             for point in (p for p in self.plan.drain_points if self.start_step < p <= stop):
                 # feed batch by batch so each step gets its metrics line; drain only at `point`
                 for step in range(step_done + 1, point + 1):
@@ -277,7 +277,7 @@ class Trainer:
                 "drain_points": self.plan.drain_points,
             },
         }
-        if not self.cfg.resume or self.reshape:  # the run's split is the resumed one's
+        if not self.cfg.launch.resume or self.reshape:  # the run's split is the resumed one's
             (self.run_dir / "config.json").write_text(json.dumps(payload, indent=1) + "\n")
 
     def _finish(self) -> None:
@@ -317,11 +317,11 @@ def run_summary(
     tokens = steady[-1]["tokens"] - steady[0]["tokens"] if len(steady) > 1 else 0
     seconds = steady[-1]["elapsed_s"] - steady[0]["elapsed_s"] if len(steady) > 1 else 0.0
     return {
-        "schedule": cfg.schedule,
-        "optimizer": cfg.optimizer,
-        "correction": cfg.correction,
-        "stages": cfg.stages,
-        "steps": cfg.steps,
+        "schedule": cfg.schedule.schedule,
+        "optimizer": cfg.optimizer.optimizer,
+        "correction": cfg.correction.correction,
+        "stages": cfg.num_ranks,
+        "steps": cfg.run.steps,
         "first_loss": records[0]["loss"] if records else None,
         "last_loss": records[-1]["loss"] if records else None,
         "val_loss": next((r["val_loss"] for r in reversed(records) if "val_loss" in r), None),

@@ -78,6 +78,16 @@ class RankContext:
     on_step: Callable[[Action], None]  # a local stage completed a STEP
 
 
+@dataclass(frozen=True)
+class RankPosition:
+    """Where this rank's runner stands (a failure message names it)."""
+
+    position: int  # actions of this rank's order run so far
+    current: Action | None  # the action being run, or last run (None before the first)
+    waiting_for: int | None  # the pipeline rank of this replica a receive waits on
+    posting_to: list[int]  # the global ranks of a batch of transfers that failed to post
+
+
 class RankRunner:
     """Runs this rank's actions of the pipeline's schedule (the emulator's face, one rank):
     ``workers`` are its stages, one, or several in interleaved and V placements."""
@@ -259,6 +269,31 @@ class RankRunner:
         handle.arrivals += arrivals
         handle.wait(self.context.timeout, what)
 
+    # ----- what the caller reads -----------------------------------------------------------------
+    def where(self) -> RankPosition:
+        transport = self.transport
+        return RankPosition(
+            position=self.pointer[self.rank],
+            current=self.current,
+            waiting_for=transport.peer_of_last_wait if transport is not None else None,
+            posting_to=list(transport.peers_of_failed_post) if transport is not None else [],
+        )
+
+    def comm_spans(self) -> list[tuple[str, Action, Any, Any]]:
+        """Each transfer's (kind, action, start, end), recorded under ``record``."""
+        return list(self.interpreter.comm) if self.interpreter is not None else []
+
+    def allreduce_spans(self) -> dict[Any, Any]:
+        """The data-parallel all-reduce's spans (empty without one)."""
+        reducer = self.transport.reducer if self.transport is not None else None
+        return dict(getattr(reducer, "spans", {}))
+
+    def close_transport(self) -> None:
+        """End the transport's own thread, if it has one (the strict one's stream)."""
+        close_stream = getattr(self.transport, "close", None)
+        if close_stream is not None:
+            close_stream()
+
     # ----- running --------------------------------------------------------------------------------
     def _execute(self, action: Action) -> None:
         assert self.interpreter is not None
@@ -288,7 +323,18 @@ class RankRunner:
             i += 1
             self.pointer[self.rank] = i
         self.transport.flush()
+        settle = getattr(self.context.clock, "settle", None)
+        if settle is not None and self.interpreter is not None:
+            settle(self.interpreter)  # a GPU's spans become seconds here, at a drain point
 
 
 # what Pipeline(runtime="dist") reaches through this module (nobubble.api.steps.dist_runner)
-__all__ = ["RankContext", "RankRunner", "close", "gather_records", "gather_state", "join"]
+__all__ = [
+    "RankContext",
+    "RankPosition",
+    "RankRunner",
+    "close",
+    "gather_records",
+    "gather_state",
+    "join",
+]
