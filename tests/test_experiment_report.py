@@ -475,21 +475,23 @@ def test_depth_grid_is_paper_a_section_6():
     profile = grids.FULL
     specs = grids.depth(profile, {"adamw": 1e-2, "muon": 1e-2}, 3)
     cfgs = {s.name: _resolved(s, profile) for s in specs}
-    assert all(c.clip == 0 for c in cfgs.values())
-    assert all(c.momentum == 0.99 for c in cfgs.values() if c.optimizer == "muon")
-    assert all(c.momentum == 0.95 for c in cfgs.values() if c.optimizer == "adamw")
+    assert all(c.optimizer.clip == 0 for c in cfgs.values())
+    muon = [c for c in cfgs.values() if c.optimizer.optimizer == "muon"]
+    adamw = [c for c in cfgs.values() if c.optimizer.optimizer == "adamw"]
+    assert muon and all(c.optimizer.momentum == 0.99 for c in muon)
+    assert adamw and all(c.optimizer.momentum == 0.95 for c in adamw)
     base = [s for s in specs if s.labels["schedule"] in ("1f1b", "2bw")]
     assert len(base) == 2 * 2 * 3 and all(s.overrides["stages"] == 1 for s in base)
     sync = cfgs["depth-1f1b-adamw-s0"]
-    tokens = sync.steps * sync.tokens_per_step
-    windows = sync.eval_batches * sync.micro_batch_size
+    tokens = sync.run.steps * sync.tokens_per_step
+    windows = sync.run.eval_batches * sync.run.micro_batch_size
     for p in profile.depths:
         pd = cfgs[f"depth-pipedream-none-adamw-P{p}-s0"]
-        assert (pd.schedule, pd.stages, pd.num_microbatches) == ("pipedream", p, 1)
-        assert pd.micro_batch_size * p == sync.num_microbatches * sync.micro_batch_size  # B/P
-        assert pd.steps == p * sync.steps and pd.steps * pd.tokens_per_step == tokens
-        assert pd.eval_every * sync.steps == pd.steps * sync.eval_every
-        assert pd.eval_batches * pd.micro_batch_size == windows
+        assert (pd.schedule.schedule, pd.num_ranks, pd.num_microbatches) == ("pipedream", p, 1)
+        assert pd.run.micro_batch_size * p == sync.num_microbatches * sync.run.micro_batch_size
+        assert pd.run.steps == p * sync.run.steps and pd.run.steps * pd.tokens_per_step == tokens
+        assert pd.run.eval_every * sync.run.steps == pd.run.steps * sync.run.eval_every
+        assert pd.run.eval_batches * pd.run.micro_batch_size == windows
 
 
 def test_depths_that_do_not_divide_the_batch_are_refused_before_any_run(tmp_path, capsys):

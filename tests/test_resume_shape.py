@@ -170,4 +170,4 @@ def test_the_multi_process_runtime_resumes_a_checkpoint_at_another_depth(corpus,
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")  # grad_norm: one per stage
     config = TrainConfig.load(tmp_path / "cut" / "config.json")["config"]
-    assert config["stages"] == 2 and config["runtime"] == "dist"
+    assert config["num_ranks"] == 2 and config["runtime"] == "dist"

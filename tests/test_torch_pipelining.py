@@ -334,7 +334,7 @@ def test_zero_bubble_and_interleaved_peers_time_every_compute_action(
     """The measured bubble of a torch peer rests on its spans: each stage of each rank notes
     M forwards and M of each backward kind per step (split backward for the zero-bubble
     ones), and one optimizer step."""
-    n, m = steps3.steps, steps3.microbatches
+    n, m = steps3.run.steps, steps3.num_microbatches
     for stages, spans in zip(peer_runs[peer]["stages"], peer_runs[peer]["spans"], strict=True):
         want = [(s, k) for s in stages for k in ("F", *backward) for _ in range(n * m)]
         want += [(s, "STEP") for s in stages for _ in range(n)]
@@ -344,7 +344,7 @@ def test_zero_bubble_and_interleaved_peers_time_every_compute_action(
 def test_the_dualpipev_peer_times_fused_and_split_backwards(steps3, peer_runs):
     """torch's DualPipeV fuses most backwards (B) and splits the last ones (I, then W): per
     stage and step, M forwards, M backwards B or I, a W for each I, one optimizer step."""
-    n, m = steps3.steps, steps3.microbatches
+    n, m = steps3.run.steps, steps3.num_microbatches
     runs = peer_runs["torch-dualpipev"]
     for stages, spans in zip(runs["stages"], runs["spans"], strict=True):
         for s in stages:

@@ -28,6 +28,8 @@ COLOURS = {
     "mars": "#8C8C8C",
     "normuon": "#64B5CD",
     "adamuon": "#CCB974",
+    "nadam-delay": "#2F8F5B",
+    "rotation": "#B8860B",
     "1f1b": "#4C72B0",
     "paci": "#DD8452",
     "2bw": "#C44E52",
