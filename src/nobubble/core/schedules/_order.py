@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from nobubble.core.ir import STEP, Action, B, F
+from nobubble.core.ir import STEP, Action, B, F, Schedule
 from nobubble.core.placement import Placement
 
 
@@ -63,6 +63,29 @@ def flushed(
             order += [Action(stage, STEP, step) for stage in placement.stages_of(rank)]
         ranks.append(tuple(order))
     return tuple(ranks)
+
+
+def flushed_schedule(
+    name: str,
+    placement: Placement,
+    num_microbatches: int,
+    num_steps: int,
+    batch_order: Callable[[int, int], list[Action]],
+) -> Schedule:
+    """A synchronous schedule of several stages per rank from its per-batch order (``flushed``):
+    both weight rules "current", a drain after every step."""
+    ranks = flushed(batch_order, placement, num_microbatches, num_steps)
+    return Schedule(
+        name,
+        placement.num_stages,
+        num_microbatches,
+        num_steps,
+        "current",
+        "current",
+        ranks,
+        drain_every=1,
+        placement=placement,
+    )
 
 
 def segments(

@@ -34,7 +34,7 @@ from collections.abc import Collection
 
 from nobubble.core.ir import Action, F, I, Schedule, ScheduleError, W
 from nobubble.core.placement import Placement
-from nobubble.core.schedules._order import flushed
+from nobubble.core.schedules._order import flushed_schedule
 
 NAME = "dualpipev"
 SUMMARY = (
@@ -137,15 +137,6 @@ def generate(
     P, M = num_stages, num_microbatches
     check(P, M, virtual_stages)
     placement = Placement("v", P, 2)
-    ranks = flushed(lambda r, first: batch_order(P, M, r, first), placement, M, num_steps)
-    return Schedule(
-        NAME,
-        2 * P,
-        M,
-        num_steps,
-        "current",
-        "current",
-        ranks,
-        drain_every=1,
-        placement=placement,
+    return flushed_schedule(
+        NAME, placement, M, num_steps, lambda r, first: batch_order(P, M, r, first)
     )

@@ -23,7 +23,7 @@ from collections.abc import Collection
 
 from nobubble.core.ir import Action, B, F, Schedule, ScheduleError
 from nobubble.core.placement import Placement
-from nobubble.core.schedules._order import flushed
+from nobubble.core.schedules._order import flushed_schedule
 
 NAME = "interleaved-1f1b"
 SUMMARY = "synchronous: Megatron interleaved 1F1B, v stages per rank in a loop, flush"
@@ -91,15 +91,6 @@ def generate(
     P, M, v = num_stages, num_microbatches, virtual_stages
     check(P, M, v)
     placement = Placement("loop", P, v)
-    ranks = flushed(lambda r, first: batch_order(P, M, v, r, first), placement, M, num_steps)
-    return Schedule(
-        NAME,
-        v * P,
-        M,
-        num_steps,
-        "current",
-        "current",
-        ranks,
-        drain_every=1,
-        placement=placement,
+    return flushed_schedule(
+        NAME, placement, M, num_steps, lambda r, first: batch_order(P, M, v, r, first)
     )
