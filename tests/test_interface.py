@@ -43,8 +43,8 @@ COMMAND_FLAGS = {
     "--microbatches --model --optimizer --rounds --schedule --seq-len --stages --steps "
     "--synthetic --threads --virtual-stages --vocab-size",
     "bench time-to-target": "--check-projection --equal-budget --eval-every --help --json --out "
-    "--projection-from --rounds --seeds --steps --sync --train --transfers --tune --tune-factor "
-    "--tune-points --tune-seeds --variants",
+    "--projection-from --rounds --seeds --show --steps --sync --train --transfers --tune "
+    "--tune-factor --tune-points --tune-seeds --variants",
     "bench memory": "--activation-checkpointing --allocator --data --fused-adamw "
     "--fused-grad-accumulation --help --hidden --intermediate --json --layers --micro-batch-size "
     "--microbatches --schedule --seq-len "

@@ -216,3 +216,29 @@ def test_a_tuning_grid_too_small_or_too_coarse_is_refused():
         Tune(points=3)
     with pytest.raises(ValueError, match=r"between 1\.4 and 2\.5"):
         Tune(factor=4.0)
+
+
+def test_a_saved_race_shown_again_carries_a_later_checks_error_bars(tmp_path):
+    """``--show`` reads a race's JSON back and applies ``--projection-from``'s bars to its
+    projected rows only, without training; several races make one row per race and variant."""
+    from nobubble.app.time_to_target_bench import load_race, verdict_rows
+    from nobubble.app.time_to_target_report import format_verdicts
+
+    result = _race(tmp_path / "runs") | {"stages": 8, "microbatches": 8, "optimizer": "muon"}
+    result["variants"]["paci"]["clock"] = "projected"
+    saved, check = tmp_path / "p8-muon.json", tmp_path / "check.json"
+    saved.write_text(json.dumps(result))
+    errors = {"paci": {"time": 0.2, "vs_best": 0.1, "vs_1f1b": 0.05}}
+    check.write_text(json.dumps({"projection_check": {"free": errors, "with_transfers": errors}}))
+    shown = load_race(saved, check)
+    assert shown["variants"]["paci"]["error_bar"]["vs_best"] == 0.1
+    assert "error_bar" not in shown["variants"]["zbv"]  # a measured row gets no bar
+    (row,) = [r for r in verdict_rows({"p8-muon": shown}) if r["variant"] == "paci"]
+    assert (row["stages"], row["optimizer"], row["baseline"]) == (8, "muon", "zbv")
+    median = shown["variants"]["paci"]["vs_best_median"]
+    line = next(ln for ln in format_verdicts([row]).splitlines() if "paci" in ln)
+    assert f"{median:.3f} ±{0.1 * median:.3f} (1/2)" in line
+    with pytest.raises(ValueError, match="older format"):
+        old = {"equal_steps": {"variants": {"paci": {}}}, "equal_budget": {"variants": {}}}
+        saved.write_text(json.dumps(old))
+        load_race(saved)

@@ -21,6 +21,7 @@ from nobubble.app.time_to_target import (
     BASELINE,
     Variant,
     dir_name,
+    error_bar,
     parse_variants,
     train_config,
     transfer_seconds,
@@ -127,6 +128,7 @@ def run_race(cfg: RaceConfig) -> dict[str, Any]:
         one |= {
             "stages": train.num_ranks,
             "microbatches": train.schedule.microbatches,
+            "optimizer": train.optimizer.optimizer,
             "skipped": skipped,
         }
         one["figure"] = str(figure)
@@ -172,3 +174,60 @@ def check_projection(
         "free": _errors(measured, free),
         "with_transfers": _errors(measured, paid),
     }
+
+
+# ----- a saved race, read back -------------------------------------------------------------------
+def _races_of(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if "equal_budget" in result:
+        return [result["equal_steps"], result["equal_budget"]]
+    return [dict(result)]
+
+
+def load_race(path: Path, projection_from: Path | None = None) -> dict[str, Any]:
+    """A race's ``--json`` output read back; with ``projection_from`` (a checked race's JSON,
+    as ``--projection-from``) every projected row gets that check's error bar, so a race run
+    before its check was measured carries the bars without training again."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--show {path}: not a race's JSON ({err})") from None
+    if "equal_steps" not in result and "variants" not in result:
+        raise ValueError(f"--show {path}: no race in it: give a `time-to-target --json` output")
+    if any("clock" not in row for one in _races_of(result) for row in one["variants"].values()):
+        raise ValueError(
+            f"--show {path}: a race of the older format (no clock per row, before issue 44); "
+            "print it with the code that wrote it, or run the race again"
+        )
+    if projection_from is not None:
+        check = options(RaceConfig(projection_from=projection_from), "emulate").projection_error
+        for one in _races_of(result):
+            for label, row in one["variants"].items():
+                if row["clock"] == "projected":
+                    variant = Variant.parse(label)
+                    row["error_bar"] = error_bar(check, variant, one.get("transfer_s", 0.0))
+    return result
+
+
+def verdict_rows(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per saved race and variant: its (P, M, optimizer), the best synchronous
+    schedule, and the variant's time to that schedule's final loss as a ratio of the
+    schedule's own time (median over the seeds that reached it, k/n), at equal steps and at
+    equal budget. The tables of docs/benchmarks.md's depth study."""
+    rows = []
+    for name, result in results.items():
+        races = _races_of(result)
+        first = races[0]
+        for label in first["variants"]:
+            out: dict[str, Any] = {"race": name, "variant": label}
+            out |= {k: first.get(k) for k in ("stages", "microbatches", "baseline")}
+            out["optimizer"] = first.get("optimizer", "?")  # races before it was recorded: ?
+            for title, one in zip(("steps", "budget"), races, strict=False):
+                r = one["variants"][label]
+                out[f"{title}_vs_best"] = r["vs_best_median"]
+                out[f"{title}_reached"] = r["vs_best_reached"]
+                out[f"{title}_interval"] = r["vs_best_interval"]
+                out[f"{title}_final"] = r["final_val_mean"]
+                out[f"{title}_bar"] = (r.get("error_bar") or {}).get("vs_best")
+                out["clock"] = r["clock"]
+            rows.append(out)
+    return rows

@@ -152,3 +152,36 @@ def plot_curves(races: Mapping[str, Mapping[str, Any]], title: str, path: Path) 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def format_verdicts(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``verdict_rows`` as one table: per race and variant, the time to the best synchronous
+    schedule's final loss over that schedule's own time, at equal steps and equal budget."""
+
+    def ratio(row: Mapping[str, Any], title: str) -> str:
+        if f"{title}_vs_best" not in row:
+            return "-"
+        median, (k, n), bar = row[f"{title}_vs_best"], row[f"{title}_reached"], row[f"{title}_bar"]
+        if median is None:
+            return f"not reached (0/{n})"
+        plus = "" if bar is None else f" ±{bar * median:.3f}"
+        return f"{median:.3f}{plus} ({k}/{n})"
+
+    header = ["race", "P", "M", "optimizer", "best sync", "variant", "clock"]
+    header += ["final val (equal steps)", "vs best: equal steps", "vs best: equal budget"]
+    lines = [
+        [
+            str(r["race"]),
+            str(r["stages"]),
+            str(r["microbatches"]),
+            str(r["optimizer"]),
+            str(r["baseline"]),
+            str(r["variant"]),
+            str(r["clock"]),
+            f"{r['steps_final']:.4f}",
+            ratio(r, "steps"),
+            ratio(r, "budget"),
+        ]
+        for r in rows
+    ]
+    return "\n".join(_table(header, lines))

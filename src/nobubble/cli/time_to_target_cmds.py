@@ -68,9 +68,30 @@ def print_race(result: dict[str, Any], equal_budget: bool) -> None:
     print(f"figure: {result.get('figure') or result['equal_steps']['figure']}")
 
 
+def show_races(args: argparse.Namespace) -> int:
+    """``--show FILE[,FILE...]``: saved races printed again (one: its tables; several: one row
+    per race and variant), with ``--projection-from``'s error bars; nothing trains."""
+    from nobubble.app.time_to_target_bench import load_race, verdict_rows
+    from nobubble.app.time_to_target_report import format_verdicts
+
+    check = None if args.projection_from is None else Path(args.projection_from)
+    files = [Path(f) for f in args.show.split(",") if f.strip()]
+    results = {f.stem: load_race(f, check) for f in files}
+    if args.json:
+        print(json.dumps(results if len(files) > 1 else results[files[0].stem]))
+    elif len(files) == 1:
+        result = results[files[0].stem]
+        print_race(result, "equal_budget" in result)
+    else:
+        print(format_verdicts(verdict_rows(results)))
+    return 0
+
+
 def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
     from nobubble.app.time_to_target_bench import run_race
 
+    if args.show is not None:
+        return show_races(args)
     result = run_race(race_config(args))
     if args.json:
         print(json.dumps(result))
@@ -127,6 +148,13 @@ def add_time_to_target(bench: argparse._SubParsersAction) -> None:
     _add_projection(q)
     q.add_argument("--out", default="runs/time-to-target")
     q.add_argument("--json", action="store_true")
+    q.add_argument(
+        "--show",
+        default=None,
+        metavar="FILE[,FILE...]",
+        help="print saved races (their --json output) again instead of training: one file, its "
+        "tables; several, one row per race and variant; with --projection-from, its error bars",
+    )
     q.set_defaults(func=cmd_bench_time_to_target)
 
 
