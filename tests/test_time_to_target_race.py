@@ -242,3 +242,13 @@ def test_a_saved_race_shown_again_carries_a_later_checks_error_bars(tmp_path):
         old = {"equal_steps": {"variants": {"paci": {}}}, "equal_budget": {"variants": {}}}
         saved.write_text(json.dumps(old))
         load_race(saved)
+
+
+def test_a_lean_budget_keeps_the_tuned_lrs_and_drops_the_slower_synchronous_schedules():
+    from nobubble.app.time_to_target_race import _lean
+
+    variants = parse_variants("paci,paci:ef", ["zbv", "zb-h1", "interleaved-1f1b"])
+    tuning = {v.label: {"chosen": 0.01 * (i + 1)} for i, v in enumerate(variants)}
+    kept = _lean(variants, {"baseline": "zbv", "tuning": tuning})
+    assert [v.label for v in kept] == ["1f1b", "paci", "paci:ef", "zbv"]
+    assert [v.tuned_lr for v in kept] == [tuning[v.label]["chosen"] for v in kept]

@@ -43,7 +43,8 @@ class RaceConfig:
     """A race as ``nobubble bench time-to-target`` spells it (see its --help).
 
     projection_from: a checked race's JSON whose projection errors become this (projected)
-    race's error bars; transfers: charge each hop the send cost measured there.
+    race's error bars; transfers: charge each hop the send cost measured there; lean_budget:
+    see ``RaceOptions``.
     """
 
     variants: str = "1f1b,paci,2bw"
@@ -58,6 +59,7 @@ class RaceConfig:
     projection_from: Path | None = None
     transfers: bool = False
     tune: Tune | None = None
+    lean_budget: bool = False
     out: Path = field(default_factory=lambda: Path("runs/time-to-target"))
     progress: bool = True
 
@@ -99,7 +101,9 @@ def options(cfg: RaceConfig, runtime: str) -> RaceOptions:
                 "JSON of a race run with --check-projection"
             )
     transfer_s = check["transfer_s"] if check is not None and cfg.transfers else 0.0
-    return RaceOptions(cfg.check_projection, transfer_s, check, cfg.tune)
+    if cfg.lean_budget and not cfg.equal_budget:
+        raise ValueError("--lean-budget shapes the equal-budget race: give --equal-budget too")
+    return RaceOptions(cfg.check_projection, transfer_s, check, cfg.tune, None, cfg.lean_budget)
 
 
 def run_race(cfg: RaceConfig) -> dict[str, Any]:

@@ -64,7 +64,10 @@ class RaceOptions:
     carried as error bars on projected figures. tune: tune every variant's lr first.
     baseline: the best synchronous schedule, when chosen already (an equal-budget race keeps
     the equal-steps race's: at equal budgets a schedule that trained fewer steps would reach its
-    own, higher, final loss soonest).
+    own, higher, final loss soonest). lean_budget: the equal-budget race keeps the equal-steps
+    race's tuned learning rates instead of tuning again at the budget's step counts, and leaves
+    out the plain synchronous schedules other than 1f1b and the baseline (they train the
+    baseline's gradients, slower: fewer steps in the same budget).
     """
 
     check_projection: bool = False
@@ -72,6 +75,7 @@ class RaceOptions:
     projection_error: Mapping[str, Any] | None = None
     tune: Tune | None = None
     baseline: str | None = None
+    lean_budget: bool = False
 
 
 def sync_contestants(base_flags: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -164,12 +168,34 @@ def equal_budget(
     lengths = budget_steps(same, steps, quantum)
     budgeted = [dataclasses.replace(v, steps=lengths[v.label]) for v in variants]
     again = dataclasses.replace(options, check_projection=False, baseline=same["baseline"])
+    if options.lean_budget:
+        budgeted, again = _lean(budgeted, same), dataclasses.replace(again, tune=None)
     result = race(
         out / "equal-budget", base_flags, budgeted, seeds, steps, segments, progress, again
     )
+    if options.lean_budget:
+        result["lean"] = "tuning kept from the equal-steps race; left out: " + ", ".join(
+            v.label for v in variants if v.label not in {b.label for b in budgeted}
+        )
     result["steps"] = lengths
     result["budget_of"] = same["baseline"]
     return {"equal_steps": same, "equal_budget": result}
+
+
+def _lean(budgeted: Sequence[Variant], same: Mapping[str, Any]) -> list[Variant]:
+    """``lean_budget``'s variants: each with its equal-steps tuned lr, without the plain
+    synchronous schedules that are neither 1f1b nor the baseline."""
+    tuning = same.get("tuning", {})
+    keep = [
+        v
+        for v in budgeted
+        if v.label in (BASELINE, same["baseline"])
+        or not (v.schedule in SYNC_CONTESTANTS and v.correction == "none")
+    ]
+    return [
+        dataclasses.replace(v, tuned_lr=tuning[v.label]["chosen"]) if v.label in tuning else v
+        for v in keep
+    ]
 
 
 # ----- the summary -------------------------------------------------------------------------------
