@@ -16,7 +16,6 @@ from nobubble.app.train.assemble import (
     make_plan,
     make_schedule,
     make_stages,
-    stage_correction,
 )
 from nobubble.app.train.config import TrainConfig
 from nobubble.core.ledger import build_ledger
@@ -73,13 +72,10 @@ def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker
         schedule,
         build_ledger(schedule).stages[module.stage],
         optimizer,
-        stage_correction(cfg),
-        batch_fn,
-        lr_fn,
-        clip_norm=optim_cfg.clip_norm,
-        autocast_dtype=torch.bfloat16 if cfg.compute.dtype == "bf16" else None,
-        recompute=cfg.compute.paci_recompute,
+        batch_fn=batch_fn,
+        lr_fn=lr_fn,
         loss_fn=lm_loss,
+        **cfg.pipeline_config().worker_options(),
     )
 
 
