@@ -21,7 +21,7 @@ from nobubble.app.train.config import TrainConfig
 from nobubble.core.ledger import build_ledger
 from nobubble.data import TokenData
 from nobubble.engine import InProcessTransport, Interpreter, StageWorker, misplaced
-from nobubble.engine import worker as worker_module
+from nobubble.engine import worker_step as worker_module
 from nobubble.model import StageModule, lm_loss
 from nobubble.optim import build_optimizer, lr_at
 from nobubble.runtime.emulator import Emulator
