@@ -16,13 +16,12 @@ from nobubble.app.train.assemble import (
     make_plan,
     make_schedule,
     make_stages,
-    stage_correction,
 )
 from nobubble.app.train.config import TrainConfig
 from nobubble.core.ledger import build_ledger
 from nobubble.data import TokenData
 from nobubble.engine import InProcessTransport, Interpreter, StageWorker, misplaced
-from nobubble.engine import worker as worker_module
+from nobubble.engine import worker_step as worker_module
 from nobubble.model import StageModule, lm_loss
 from nobubble.optim import build_optimizer, lr_at
 from nobubble.runtime.emulator import Emulator
@@ -73,13 +72,10 @@ def make_worker(plan: Plan, module: StageModule, data: TokenData) -> StageWorker
         schedule,
         build_ledger(schedule).stages[module.stage],
         optimizer,
-        stage_correction(cfg),
-        batch_fn,
-        lr_fn,
-        clip_norm=optim_cfg.clip_norm,
-        autocast_dtype=torch.bfloat16 if cfg.compute.dtype == "bf16" else None,
-        recompute=cfg.compute.paci_recompute,
+        batch_fn=batch_fn,
+        lr_fn=lr_fn,
         loss_fn=lm_loss,
+        **cfg.pipeline_config().worker_options(),
     )
 
 

@@ -61,7 +61,7 @@ def test_variants_round_trip_and_always_start_with_the_baseline():
     ("text", "needle"),
     [
         ("pacy", "schedule 'pacy' is unknown"),
-        ("paci:spectrain", "correction 'spectrain' is unknown"),
+        ("paci:spectrain", "'paci:spectrain': correction='spectrain' is unknown"),
         ("paci@fast", "'fast' after @ is not a learning rate"),
         ("paci@-1", "must be > 0"),
         ("paci,paci", "twice"),

@@ -3,7 +3,7 @@ construction and once more against the others.
 
 A spec is a frozen, keyword-only dataclass owned by its component: ``ScheduleSpec`` (the
 schedule registry, core/schedules), ``CorrectionSpec`` (the correction registry,
-optim/correction.py), and here ``OptimizerSpec``, ``RuntimeSpec``, ``ComputeSpec`` and
+optim/correction_registry.py), and here ``OptimizerSpec``, ``RuntimeSpec``, ``ComputeSpec`` and
 ``InitSpec``. A field's name is the concept's one name everywhere: the ``Pipeline`` keyword, the
 ``nobubble train`` flag (``--ef-lambda`` is ``ef_lambda``) and the config file's key.
 ``PipelineConfig.build(**keywords)`` routes each keyword to the spec that owns the field.
@@ -20,9 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from nobubble.core.ir import Schedule
 from nobubble.core.schedules import ScheduleInfo, ScheduleSpec
 from nobubble.engine.blocks import CHECKPOINTING
 from nobubble.engine.grad_fusion import check_fusable
+from nobubble.engine.worker import WorkerOptions
 from nobubble.optim import CorrectionSpec, OptimConfig, optimizer_entry
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -182,9 +184,8 @@ class RuntimeSpec:
                 "larger for the same numbers"
             )
         mb = self.bucket_mb
-        if isinstance(mb, bool) or not (isinstance(mb, int | float) and math.isfinite(mb)):
-            raise ValueError(f"bucket_mb={mb!r}: use a bucket size in MB > 0")
-        if mb <= 0:
+        finite = isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb)
+        if not (finite and mb > 0):
             raise ValueError(f"bucket_mb={mb!r}: use a bucket size in MB > 0")
 
 
@@ -333,6 +334,22 @@ class PipelineConfig:
     @property
     def global_clip(self) -> bool:
         return self.optimizer.global_clip(self.schedule.info)
+
+    def generate(self, num_ranks: int, num_steps: int, **options: Any) -> Schedule:
+        """The run's schedule over ``num_steps`` steps (``options``: ``ScheduleSpec.generate``'s),
+        its first steps flushed under sync-warmup: a correction of the schedule, not the step."""
+        warmup = min(self.correction.sync_warmup, num_steps)
+        return self.schedule.generate(num_ranks, num_steps, sync_warmup=warmup, **options)
+
+    def worker_options(self) -> WorkerOptions:
+        """One stage worker's step settings, made afresh per stage: its correction keeps the
+        stage's own state (error feedback's last displacement)."""
+        return WorkerOptions(
+            correction=self.correction.build(),
+            clip_norm=self.optimizer.clip_norm,
+            autocast_dtype=DTYPES[self.compute.dtype],
+            recompute=self.compute.paci_recompute,
+        )
 
     @staticmethod
     def keywords() -> dict[str, str]:

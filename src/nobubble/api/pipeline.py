@@ -34,7 +34,7 @@ from nobubble.api.arguments import (
     scaled_lr,
     target_device,
 )
-from nobubble.api.config import DTYPES, InitSpec, LossFn, PipelineConfig
+from nobubble.api.config import InitSpec, LossFn, PipelineConfig
 from nobubble.api.evaluation import Evaluation
 from nobubble.api.materializing import materialize, on_meta
 from nobubble.api.pipeline_state import PipelineState
@@ -124,7 +124,6 @@ class Pipeline(PipelineState, Evaluation):
         self.num_ranks = num_ranks_of(spec.schedule, self.num_stages, spec.stages_per_rank)
         self.microbatches = spec.num_microbatches
         self.timeout = float(config.runtime.dist_timeout)
-        self.sync_warmup = config.correction.sync_warmup  # 0 but under sync-warmup
         self.data_parallel = config.runtime.data_parallel
         self.bucket_mb = float(config.runtime.bucket_mb)
         self.global_clip = config.global_clip
@@ -185,7 +184,7 @@ class Pipeline(PipelineState, Evaluation):
 
     def _worker(self, s: int) -> StageWorker:
         """Stage ``s``'s worker: its optimizer (over FSDP2's shards with shard="fsdp"), its
-        correction, and its place in the schedule."""
+        step's settings, and its place in the schedule."""
         config, module = self.config, self.stages[s]
         if config.compute.fused_grad_accumulation:
             self.fused_layers[s] = fuse_grad_accumulation(module)
@@ -205,14 +204,11 @@ class Pipeline(PipelineState, Evaluation):
             self.schedule,
             self.ledger.stages[s],
             stage_opt,  # type: ignore[arg-type]
-            config.correction.build(),
-            self._batch,
-            lr_fn,
-            clip_norm=config.optimizer.clip_norm,
-            autocast_dtype=DTYPES[config.compute.dtype],
-            recompute=config.compute.paci_recompute,
+            batch_fn=self._batch,
+            lr_fn=lr_fn,
             loss_fn=self.loss_fn if s == self.num_stages - 1 else None,
             sharded=fsdp,
+            **config.worker_options(),  # the step's settings, made afresh per stage
         )
         worker.ties = list(self.ties)
         return worker

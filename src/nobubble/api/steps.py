@@ -132,7 +132,6 @@ class StepLoop:
     virtual_stages: int
     num_ranks: int
     microbatches: int
-    sync_warmup: int
     meets: bool
     drains: list[int]
     schedule: Schedule
@@ -161,12 +160,8 @@ class StepLoop:
     def _generate(self, steps: int) -> tuple[Schedule, Ledger]:
         if self.total_steps is not None:
             steps = min(steps, self.total_steps)
-        schedule = self.config.schedule.generate(
-            self.num_ranks,
-            steps,
-            sync_warmup=min(self.sync_warmup, steps),
-            max_actions=None,
-            drain_at=self.drains,
+        schedule = self.config.generate(
+            self.num_ranks, steps, max_actions=None, drain_at=self.drains
         )
         validate(schedule)
         return schedule, build_ledger(schedule)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from nobubble.app.segments import clock
 from nobubble.core.schedules import SCHEDULES
-from nobubble.optim.correction_registry import CORRECTIONS
+from nobubble.optim.correction_registry import correction_entry
 
 if TYPE_CHECKING:
     from nobubble.app.train.config import TrainConfig
@@ -175,11 +175,10 @@ class Variant:
                 f"{', '.join(SCHEDULES)} (SCHEDULE[:CORRECTION][@LR], e.g. paci:predict@0.008)"
             )
         correction = correction or "none"
-        if correction not in CORRECTIONS:
-            raise ValueError(
-                f"variant {text!r}: correction {correction!r} is unknown; use one of "
-                f"{', '.join(CORRECTIONS)}"
-            )
+        try:
+            correction_entry(correction)  # the registry's refusal, with the variant's spelling
+        except ValueError as err:
+            raise ValueError(f"variant {text!r}: {err}") from None
         try:
             rate = float(lr) if lr else None
         except ValueError:

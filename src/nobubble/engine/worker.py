@@ -9,21 +9,19 @@ optimizer) and creates the next version.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
-from nobubble.engine.devices import to_device
 from nobubble.engine.saved import Pending, Saved
 from nobubble.engine.ties import Tie
 from nobubble.engine.tree import (
     BoundarySpec,
     Tree,
 )
-from nobubble.engine.versions import WeightVersions
 from nobubble.engine.worker_backward import WorkerBackward
 from nobubble.optim import (
     DelayCorrection,
@@ -32,6 +30,15 @@ from nobubble.optim import (
 
 Batch = tuple[Tree, Tree]  # (inputs of stage 0, targets of the loss)
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class WorkerOptions(TypedDict):
+    """A worker's step settings, as ``PipelineConfig.worker_options`` makes them per stage."""
+
+    correction: DelayCorrection
+    clip_norm: float | None
+    autocast_dtype: torch.dtype | None
+    recompute: bool
 
 
 class StageWorker(WorkerBackward):
@@ -116,41 +123,15 @@ class StageWorker(WorkerBackward):
             self.versions.extend(schedule, ledger)
         self.schedule, self.ledger = schedule, ledger
 
-    def _new_versions(self, schedule: Schedule, ledger: StageLedger) -> WeightVersions:
-        if self.sharded is None:
-            return WeightVersions(self.named, schedule, ledger, predict=self.correction.predicts)
-        assert not self.correction.predicts, "Pipeline refuses predict with shard='fsdp'"
-        return self.sharded.versions(self.named, schedule, ledger)
-
     def pop_losses(self, micro_batches: Iterable[int]) -> list[float]:
         """The losses of ``micro_batches`` as floats (one host sync for all of them)."""
         values = torch.stack([self.losses.pop(m) for m in micro_batches]).float().cpu()
         return values.tolist()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["stage"] != self.stage:
-            raise ValueError(
-                f"checkpoint part of stage {state['stage']} given to stage {self.stage}"
-            )
-        state = to_device(state, self.device)  # EF buffers and stashed versions included
-        if self.sharded is not None:  # this replica's shards of the whole tensors
-            state = self.sharded.scattered(state, self.optimizer, self.correction.parameter_buffers)
-        with torch.no_grad():
-            for name, p in self.named:
-                p.copy_(state["module"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.correction.load_state_dict(state["correction"])
-        stashed = self.schedule.backward_rule == "stashed"
-        first = state["versions"]["current"] * self.schedule.num_microbatches
-        self.versions.load_state_dict(state["versions"], self.ledger, stashed, first)
-        self.peak_saved = state["peak_saved"]
-        self.peak_activation_bytes = state["peak_activation_bytes"]
-
-    # ----- step ----------------------------------------------------------------------------
 
 
 __all__ = [
     "Batch",
     "LossFn",
     "StageWorker",
+    "WorkerOptions",
 ]

@@ -1,7 +1,8 @@
 """The step side of a stage worker (``WorkerStep``, the base of ``StageWorker``): the gradient
 norm and its non-finite check, tied parameters' gradients added across stages (``share``), the
-optimizer step at the ledger's version (clip, lr, delay correction, new version), and the
-stage's checkpoint state."""
+optimizer step at the ledger's version (clip, lr, delay correction, new version), the weight
+versions, and the stage's checkpoint state. The engine reads the stage's delay correction here
+only (docs/architecture.md, "The path of one option")."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
+from nobubble.engine.devices import to_device
 from nobubble.engine.ties import Tie, TieMeeting, tied_square
 from nobubble.engine.versions import WeightVersions
 from nobubble.optim import (
@@ -112,6 +114,15 @@ class WorkerStep:
             squares = squares + square.to(squares.device)
         return squares
 
+    # ----- the weight versions ------------------------------------------------------------
+    def _new_versions(self, schedule: Schedule, ledger: StageLedger) -> WeightVersions:
+        """The stage's weight versions under ``schedule``; they keep predicted weights when the
+        correction predicts (weight prediction)."""
+        if self.sharded is None:
+            return WeightVersions(self.named, schedule, ledger, predict=self.correction.predicts)
+        assert not self.correction.predicts, "Pipeline refuses predict with shard='fsdp'"
+        return self.sharded.versions(self.named, schedule, ledger)
+
     # ----- checkpoints ---------------------------------------------------------------------
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """Everything this stage needs to continue from a drain point. ``copy=False``: the
@@ -132,6 +143,26 @@ class WorkerStep:
         if self.sharded is not None:  # whole tensors: a dp collective, on every replica
             state = self.sharded.gathered(state)
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``, a ``state_dict`` of this stage (moved to its device)."""
+        if state["stage"] != self.stage:
+            raise ValueError(
+                f"checkpoint part of stage {state['stage']} given to stage {self.stage}"
+            )
+        state = to_device(state, self.device)  # EF buffers and stashed versions included
+        if self.sharded is not None:  # this replica's shards of the whole tensors
+            state = self.sharded.scattered(state, self.optimizer, self.correction.parameter_buffers)
+        with torch.no_grad():
+            for name, p in self.named:
+                p.copy_(state["module"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.correction.load_state_dict(state["correction"])
+        stashed = self.schedule.backward_rule == "stashed"
+        first = state["versions"]["current"] * self.schedule.num_microbatches
+        self.versions.load_state_dict(state["versions"], self.ledger, stashed, first)
+        self.peak_saved = state["peak_saved"]
+        self.peak_activation_bytes = state["peak_activation_bytes"]
 
     def module_state(self) -> dict[str, torch.Tensor]:
         """A copy of the stage module's state dict, whole (a dp collective when sharded)."""

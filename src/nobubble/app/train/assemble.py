@@ -34,7 +34,6 @@ from nobubble.model import (
     partition_layers,
     split_model,
 )
-from nobubble.optim import DelayCorrection
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +61,9 @@ class Plan:
 def make_schedule(cfg: TrainConfig) -> Schedule:
     """The whole schedule of a run of ``cfg`` as its pipeline runs it (drained at the drain
     points), for what looks at a run from outside: projections and tests of the parts."""
-    spec = cfg.schedule
-    drain = None if spec.info.synchronous else cfg.run.eval_every
-    schedule = spec.generate(
-        cfg.num_ranks,
-        cfg.run.steps,
-        drain_every=drain,
-        sync_warmup=cfg.sync_warmup_steps,
-        max_actions=None,
+    drain = None if cfg.schedule.info.synchronous else cfg.run.eval_every
+    schedule = cfg.pipeline_config().generate(
+        cfg.num_ranks, cfg.run.steps, drain_every=drain, max_actions=None
     )
     validate(schedule)
     return schedule
@@ -231,10 +225,6 @@ def make_stages(plan: Plan) -> list[StageModule]:
     return split_model(model, plan.num_stages, plan.layer_ranges)
 
 
-def stage_correction(cfg: TrainConfig) -> DelayCorrection:
-    return cfg.pipeline_config().correction.build()
-
-
 def make_pipeline(plan: Plan, stages: list[nn.Module], observe: Observer | None = None) -> Pipeline:
     """The pipeline of a ``nobubble train`` run: the public API with the run's configuration
     (``TrainConfig.pipeline_config``: the recipe's warm-up and cosine learning rate, clipping,
@@ -251,5 +241,4 @@ __all__ = [
     "make_plan",
     "make_schedule",
     "make_stages",
-    "stage_correction",
 ]
