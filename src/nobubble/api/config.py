@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nobubble.core.schedules import ScheduleInfo, ScheduleSpec
+from nobubble.core.schedule_spec import ScheduleSpec, check_one_schedule
+from nobubble.core.schedules import ScheduleInfo
 from nobubble.engine.blocks import CHECKPOINTING
 from nobubble.engine.grad_fusion import check_fusable
 from nobubble.optim import CorrectionSpec, OptimConfig, optimizer_entry
@@ -348,6 +349,7 @@ class PipelineConfig:
         """``base`` (default: the defaults) with ``keywords`` set, each on the spec owning it."""
         base = base or PipelineConfig()
         owners = PipelineConfig.keywords()
+        check_one_schedule(keywords)
         parts: dict[str, dict[str, Any]] = {}
         for given, value in keywords.items():
             name = ALIASES.get(given, given)

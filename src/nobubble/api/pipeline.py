@@ -118,17 +118,18 @@ class Pipeline(PipelineState, Evaluation):
         spec = config.schedule
         self.total_steps = config.steps
         self.runtime = config.runtime.runtime
-        self.schedule_name = spec.schedule
+        self.schedule_name = spec.name
         self.num_stages = len(self.stages)  # v·P: the schedule's stages
+        spec.check_stages(self.num_stages)  # a given order's stages
         self.virtual_stages = spec.stages_per_rank
-        self.num_ranks = num_ranks_of(spec.schedule, self.num_stages, spec.stages_per_rank)
+        self.num_ranks = num_ranks_of(spec.name, self.num_stages, spec.stages_per_rank)
         self.microbatches = spec.num_microbatches
         self.timeout = float(config.runtime.dist_timeout)
         self.sync_warmup = config.correction.sync_warmup  # 0 but under sync-warmup
         self.data_parallel = config.runtime.data_parallel
         self.bucket_mb = float(config.runtime.bucket_mb)
         self.global_clip = config.global_clip
-        self.ties = _check_ties(find_ties(self.stages), spec.info.synchronous, spec.schedule)
+        self.ties = _check_ties(find_ties(self.stages), spec.info.synchronous, spec.name)
         # the stages meet before each step: for the global norm, or to add tied gradients
         self.meets = self.global_clip or bool(self.ties)
 

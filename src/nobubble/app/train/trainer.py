@@ -86,7 +86,7 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
             )
         return out
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.schedule.schedule}-{cfg.optimizer.optimizer}"
+    return Path("runs") / f"{stamp}-{cfg.schedule.name}-{cfg.optimizer.optimizer}"
 
 
 def validation_loss(pipe: Pipeline, cfg: TrainConfig, data: TokenData) -> float | None:
@@ -212,7 +212,7 @@ class Trainer:
         self.bar = tqdm(
             total=self.cfg.run.steps,
             initial=self.start_step,
-            desc=self.cfg.schedule.schedule,
+            desc=self.cfg.schedule.name,
             unit="step",
             disable=not self.cfg.launch.progress,
             leave=False,
@@ -317,7 +317,7 @@ def run_summary(
     tokens = steady[-1]["tokens"] - steady[0]["tokens"] if len(steady) > 1 else 0
     seconds = steady[-1]["elapsed_s"] - steady[0]["elapsed_s"] if len(steady) > 1 else 0.0
     return {
-        "schedule": cfg.schedule.schedule,
+        "schedule": cfg.schedule.name,
         "optimizer": cfg.optimizer.optimizer,
         "correction": cfg.correction.correction,
         "stages": cfg.num_ranks,
