@@ -2,7 +2,7 @@
 construction and once more against the others.
 
 A spec is a frozen, keyword-only dataclass owned by its component: ``ScheduleSpec`` (the
-schedule registry, core/schedules), ``CorrectionSpec`` (the correction registry,
+schedule registry, core/schedule_spec.py), ``CorrectionSpec`` (the correction registry,
 optim/correction.py), and here ``OptimizerSpec``, ``RuntimeSpec``, ``ComputeSpec`` and
 ``InitSpec``. A field's name is the concept's one name everywhere: the ``Pipeline`` keyword, the
 ``nobubble train`` flag (``--ef-lambda`` is ``ef_lambda``) and the config file's key.

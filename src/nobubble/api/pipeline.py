@@ -61,7 +61,9 @@ class Pipeline(PipelineState, Evaluation):
 
     - schedule (``ScheduleSpec``): schedule, one of ``nobubble.SCHEDULE_NAMES`` (gpipe, 1f1b,
       pipedream, 2bw, paci, interleaved-1f1b, zb-h1, zbv; both runtimes run all of them);
-      microbatches (M per optimizer step), accum (``a`` of pipedream and paci), virtual_stages.
+      microbatches (M per optimizer step), accum (``a`` of pipedream and paci), virtual_stages;
+      or an order given whole: schedule= a synchronous ``Schedule``, from_torch_csv= or from_json=
+      a file (its first batch runs at every step; its M and stages must be these).
     - optimizer (``OptimizerSpec``): optimizer (a registered name, e.g. adamw, muon, nadam, lion,
       or a callable returning a ``torch.optim.Optimizer`` for a stage's named parameters), lr,
       optimizer_options, lr_schedule, clip, clip_scope.

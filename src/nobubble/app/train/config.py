@@ -353,7 +353,10 @@ class TrainConfig:
         micro-batch is the global one: a run resumes at another D with the same global batch."""
         values = {k: v for k, v in self.to_json().items() if k not in RUNTIME_ONLY}
         values["micro_batch_size"] = self.global_micro_batch_size
-        values["schedule_order"] = self.schedule.digest  # a given order's rows, not its path
+        # a given order is its rows (their hash), not the path or name of its file
+        values["schedule_order"] = self.schedule.digest
+        if self.schedule.program is not None:
+            values["schedule"] = "a given order"
         return values
 
     @staticmethod
