@@ -125,18 +125,30 @@ def test_a_file_that_fails_validation_names_rank_step_and_cell(tmp_path):
     assert main(["train", *flags]) == 2  # the command line refuses it before any work
 
 
-def test_a_checkpoint_resumes_only_the_same_order(tmp_path, capsys):
-    first = str(show_csv(tmp_path, capsys, "1f1b", "--stages", "2"))
-    other = tmp_path / "other" / "1f1b.csv"  # same name, another order (gpipe's)
+def test_a_run_resumes_only_the_same_order_from_wherever_the_file_is(corpus, tmp_path):
+    """The fingerprint holds the order's hash, not the file's path: a copy elsewhere resumes,
+    another order under the same name is refused before any work."""
+    first = tmp_path / "1f1b.csv"
+    first.write_text(to_torch_csv(build_schedule("1f1b", 2, 2, 1)))
+    flags = small_flags(corpus, "1f1b", 2, steps=4, eval_every=2, checkpoint_every=2)
+    at = flags.index("--schedule")
+    flags[at : at + 2] = ["--from-torch-csv", str(first)]
+    run = tmp_path / "run"
+    assert main(["train", *flags, "--stop-at", "2", "--out", str(run)]) == 0
+    other = tmp_path / "other" / "1f1b.csv"  # gpipe's order under the same name
     other.parent.mkdir()
-    other.write_text(to_torch_csv(build_schedule("gpipe", 2, M, 1)))
-    config = TrainConfig.of(from_torch_csv=first, num_ranks=2, microbatches=M)
-    manifest = {"fingerprint": config.fingerprint()}
-    moved = tmp_path / "moved.csv"
-    moved.write_text(Path(first).read_text())
-    check_resumable(manifest, config.replace(from_torch_csv=str(moved)), tmp_path)  # any path
+    other.write_text(to_torch_csv(build_schedule("gpipe", 2, 2, 1)))
+    config = TrainConfig.of(from_torch_csv=str(first), num_ranks=2, microbatches=2)
     with pytest.raises(CheckpointError, match="schedule_order"):
-        check_resumable(manifest, config.replace(from_torch_csv=str(other)), tmp_path)
+        check_resumable(
+            {"fingerprint": config.fingerprint()},
+            config.replace(from_torch_csv=str(other)),
+            tmp_path,
+        )
+    assert main(["train", "--resume", str(run), "--from-torch-csv", str(other)]) == 2
+    moved = first.rename(tmp_path / "moved.csv")
+    assert main(["train", "--resume", str(run), "--from-torch-csv", str(moved)]) == 0
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
 
 
 # ----- the distributed runtime ----------------------------------------------------------------

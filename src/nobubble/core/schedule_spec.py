@@ -224,7 +224,9 @@ def check_one_schedule(keys: Mapping[str, Any]) -> None:
     registered name and a file are two."""
     files = [k for k in FILE_KEYS if keys.get(k) is not None]
     name = keys.get("schedule")
-    if files and isinstance(name, str) and name in SCHEDULES:
+    # a saved run's config names the file's order after the file (``schedule`` after load)
+    named = isinstance(name, str) and name in SCHEDULES
+    if files and named and name != Path(str(keys[files[0]])).name:
         raise ScheduleError(
             f"schedule={name!r} and {files[0]}={str(keys[files[0]])!r} name two schedules: "
             f"give one (the file's order runs under the file's name)"

@@ -38,6 +38,7 @@ from nobubble.app.train.checkpoint import (
 from nobubble.app.train.config import TrainConfig
 from nobubble.app.train.metrics import MetricsWriter, truncate_metrics
 from nobubble.app.train.sampling import sample
+from nobubble.core.schedule_spec import FILE_KEYS
 from nobubble.data import TokenData
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class Trainer:
         self.start_step, manifest = 0, None
         if cfg.launch.resume:  # check everything before any work or any write
             saved = TrainConfig.load(self.run_dir / "config.json")["config"]
+            # a given order is read where it is now; the checkpoint's hash of it is checked below
+            saved.update({k: getattr(cfg.schedule, k) for k in FILE_KEYS if k in saved})
             check_fingerprint(
                 {"fingerprint": TrainConfig.from_mapping(saved).fingerprint()},
                 cfg.fingerprint(),
