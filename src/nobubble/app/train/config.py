@@ -100,12 +100,8 @@ class TrainConfig:
             check_positive(name, getattr(run, name), minimum=0)
         check_positive("threads", self.launch.threads, minimum=0)
         check_port(self.launch.master_port)
-        if not isinstance(self.schedule.schedule, str):
-            raise TypeError(
-                "a run reads a given order from a file (from_torch_csv, from_json), which its "
-                "config, checkpoints and ranks name: save the Schedule with save_json and give "
-                "from_json"
-            )
+        if not isinstance(self.schedule.schedule, str):  # its config and ranks name a file
+            raise TypeError("a run trains a given order from a file: save_json it, give from_json")
         # the pipeline's options: each spec checked itself, now against the others (api/config)
         object.__setattr__(self, "pipeline", self._pipeline_config())
         self.schedule.check(run.num_ranks)  # the schedule's own preconditions on (P, M, v)
@@ -353,8 +349,7 @@ class TrainConfig:
         micro-batch is the global one: a run resumes at another D with the same global batch."""
         values = {k: v for k, v in self.to_json().items() if k not in RUNTIME_ONLY}
         values["micro_batch_size"] = self.global_micro_batch_size
-        # a given order is its rows (their hash), not the path or name of its file
-        values["schedule_order"] = self.schedule.digest
+        values["schedule_order"] = self.schedule.digest  # a given order: its rows, not its file
         if self.schedule.program is not None:
             values["schedule"] = "a given order"
         return values
