@@ -19,12 +19,12 @@ from nobubble.cli import build_parser
 TRAIN_FLAGS = """
 --accum --activation-checkpointing --backend --bucket-mb --checkpoint-every --clip --clip-scope
 --compile --config --correction --data --data-parallel --delay-lr-steps --device --dist-timeout
---dtype --ef-lambda --eval-batches --eval-every --fused-adamw --fused-grad-accumulation --help
---json --lr --master-port --micro-batch-size --microbatches --min-lr-ratio --model --momentum
---no-progress --optimizer --out --paci-recompute --resume --runtime --sample-tokens --schedule
---seed --selective-every --seq-len --shard --stages --steps --stop-at --strict-p2p
---sync-warmup --text-column --threads --tokenizer --untie-embeddings --virtual-stages
---vocab-size --warmup-frac --weight-decay
+--dtype --ef-lambda --eval-batches --eval-every --from-json --from-torch-csv --fused-adamw
+--fused-grad-accumulation --help --json --lr --master-port --micro-batch-size --microbatches
+--min-lr-ratio --model --momentum --no-progress --optimizer --out --paci-recompute --resume
+--runtime --sample-tokens --schedule --seed --selective-every --seq-len --shard --stages --steps
+--stop-at --strict-p2p --sync-warmup --text-column --threads --tokenizer --untie-embeddings
+--virtual-stages --vocab-size --warmup-frac --weight-decay
 """
 
 COMMAND_FLAGS = {
@@ -61,9 +61,9 @@ COMMAND_FLAGS = {
 
 PIPELINE_KEYWORDS = """
 accum activation_checkpointing backend bucket_mb clip clip_scope compile correction data_parallel
-delay_lr_steps device dist_timeout dtype ef_lambda fused_grad_accumulation init lr lr_schedule
-microbatches optimizer optimizer_options paci_recompute runtime schedule seed selective_every shard
-steps sync_warmup virtual_stages weights
+delay_lr_steps device dist_timeout dtype ef_lambda from_json from_torch_csv fused_grad_accumulation
+init lr lr_schedule microbatches optimizer optimizer_options paci_recompute runtime schedule seed
+selective_every shard steps sync_warmup virtual_stages weights
 """
 # keywords of the Python API alone: callables, mappings and the meta device's values, which a
 # command line does not give (the training recipe derives lr from --lr and its schedule)

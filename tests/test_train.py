@@ -254,12 +254,14 @@ def test_a_run_builds_one_schedule_and_reports_the_one_that_ran(corpus, tmp_path
     longer as batches come), none is built beside it; ledger.json is that schedule's ledger,
     through the run's last step."""
     from nobubble.api.steps import StepLoop
-    from nobubble.core import schedules
+    from nobubble.core import schedule_spec
 
     generated, horizons = [], []
-    generate, horizon = schedules.generate_resolved, StepLoop._generate
+    generate, horizon = schedule_spec.generate_resolved, StepLoop._generate
     monkeypatch.setattr(
-        schedules, "generate_resolved", lambda *a, **k: generated.append(a) or generate(*a, **k)
+        schedule_spec,
+        "generate_resolved",
+        lambda *a, **k: generated.append(a) or generate(*a, **k),
     )
     monkeypatch.setattr(
         StepLoop, "_generate", lambda self, steps: horizons.append(steps) or horizon(self, steps)

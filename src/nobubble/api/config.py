@@ -2,7 +2,7 @@
 construction and once more against the others.
 
 A spec is a frozen, keyword-only dataclass owned by its component: ``ScheduleSpec`` (the
-schedule registry, core/schedules), ``CorrectionSpec`` (the correction registry,
+schedule registry, core/schedule_spec.py), ``CorrectionSpec`` (the correction registry,
 optim/correction_registry.py), and here ``OptimizerSpec``, ``RuntimeSpec``, ``ComputeSpec`` and
 ``InitSpec``. A field's name is the concept's one name everywhere: the ``Pipeline`` keyword, the
 ``nobubble train`` flag (``--ef-lambda`` is ``ef_lambda``) and the config file's key.
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from nobubble.core.ir import Schedule
-from nobubble.core.schedules import ScheduleInfo, ScheduleSpec
+from nobubble.core.schedule_spec import ScheduleSpec, check_one_schedule
+from nobubble.core.schedules import ScheduleInfo
 from nobubble.engine.blocks import CHECKPOINTING
 from nobubble.engine.grad_fusion import check_fusable
 from nobubble.engine.worker import WorkerOptions
@@ -365,6 +366,7 @@ class PipelineConfig:
         """``base`` (default: the defaults) with ``keywords`` set, each on the spec owning it."""
         base = base or PipelineConfig()
         owners = PipelineConfig.keywords()
+        check_one_schedule(keywords)
         parts: dict[str, dict[str, Any]] = {}
         for given, value in keywords.items():
             name = ALIASES.get(given, given)

@@ -61,7 +61,9 @@ class Pipeline(PipelineState, Evaluation):
 
     - schedule (``ScheduleSpec``): schedule, one of ``nobubble.SCHEDULE_NAMES`` (gpipe, 1f1b,
       pipedream, 2bw, paci, interleaved-1f1b, zb-h1, zbv; both runtimes run all of them);
-      microbatches (M per optimizer step), accum (``a`` of pipedream and paci), virtual_stages.
+      microbatches (M per optimizer step), accum (``a`` of pipedream and paci), virtual_stages;
+      or an order given whole: schedule= a synchronous ``Schedule``, from_torch_csv= or from_json=
+      a file (its first batch runs at every step; its M and stages must be these).
     - optimizer (``OptimizerSpec``): optimizer (a registered name, e.g. adamw, muon, nadam, lion,
       or a callable returning a ``torch.optim.Optimizer`` for a stage's named parameters), lr,
       optimizer_options, lr_schedule, clip, clip_scope.
@@ -118,16 +120,17 @@ class Pipeline(PipelineState, Evaluation):
         spec = config.schedule
         self.total_steps = config.steps
         self.runtime = config.runtime.runtime
-        self.schedule_name = spec.schedule
+        self.schedule_name = spec.name
         self.num_stages = len(self.stages)  # v·P: the schedule's stages
+        spec.check_stages(self.num_stages)  # a given order's stages
         self.virtual_stages = spec.stages_per_rank
-        self.num_ranks = num_ranks_of(spec.schedule, self.num_stages, spec.stages_per_rank)
+        self.num_ranks = num_ranks_of(spec.name, self.num_stages, spec.stages_per_rank)
         self.microbatches = spec.num_microbatches
         self.timeout = float(config.runtime.dist_timeout)
         self.data_parallel = config.runtime.data_parallel
         self.bucket_mb = float(config.runtime.bucket_mb)
         self.global_clip = config.global_clip
-        self.ties = _check_ties(find_ties(self.stages), spec.info.synchronous, spec.schedule)
+        self.ties = _check_ties(find_ties(self.stages), spec.info.synchronous, spec.name)
         # the stages meet before each step: for the global norm, or to add tied gradients
         self.meets = self.global_clip or bool(self.ties)
 

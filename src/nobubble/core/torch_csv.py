@@ -36,6 +36,7 @@ from pathlib import Path
 
 from nobubble.core.ir import STEP, Action, B, F, I, Schedule, ScheduleError, W
 from nobubble.core.placement import PLACEMENTS, Placement
+from nobubble.core.program import one_batch
 from nobubble.core.schedules import SCHEDULES
 from nobubble.core.validate import ScheduleValidationError, validate
 
@@ -67,37 +68,15 @@ def torch_rows(schedule: Schedule) -> list[list[str]]:
             "weight rules have no column in torch's CSV format, which runs one flushed batch "
             f"per step; write a synchronous schedule ({sync})"
         )
-    return [[str(a) for a in _one_batch(schedule, r)] for r in range(schedule.num_ranks)]
-
-
-def _one_batch(schedule: Schedule, rank: int) -> list[Action]:
-    """Rank ``rank``'s batch 0 without STEPs, after checking that each stage runs batch j
-    between its steps j and j+1 and every batch repeats batch 0 shifted (``schedule`` valid)."""
-    M, order = schedule.num_microbatches, schedule.ranks[rank]
-    batches: list[list[Action]] = [[] for _ in range(schedule.num_steps)]
-    steps_done: Counter[int] = Counter()  # per stage
-    for pos, action in enumerate(order):
-        if action.kind == STEP:
-            steps_done[action.stage] = action.number
-            continue
-        batch = action.number // M
-        if batch != steps_done[action.stage]:
-            raise TorchCsvError(
-                f"schedule {schedule.name!r} is not one flushed batch per step: rank {rank}, "
-                f"position {pos} ({action}) runs micro-batch {action.number} of batch {batch} "
-                f"after {steps_done[action.stage]} step(s) of its stage; torch's CSV format "
-                "runs each batch between two steps, so only synchronous schedules can be written"
-            )
-        batches[batch].append(action)
-    first = batches[0]
-    for j, actions in enumerate(batches[1:], start=1):
-        if actions != [Action(a.stage, a.kind, a.number + j * M) for a in first]:
-            raise TorchCsvError(
-                f"schedule {schedule.name!r}: rank {rank} runs batch {j} in another order than "
-                "batch 0; torch runs the same rows at every step, so write a schedule whose "
-                "batches repeat (or --steps 1)"
-            )
-    return first
+    try:
+        rows = one_batch(schedule)
+    except ScheduleError as err:
+        raise TorchCsvError(
+            f"schedule {schedule.name!r}: {err}; torch runs the same rows at every step, one "
+            "flushed batch between two steps, so only synchronous schedules whose batches "
+            "repeat can be written (or --steps 1)"
+        ) from None
+    return [[str(a) for a in row] for row in rows]
 
 
 def to_torch_csv(schedule: Schedule) -> str:

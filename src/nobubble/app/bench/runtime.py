@@ -181,7 +181,7 @@ def run_nobubble(cfg: TrainConfig, out: Path, log: Path, malloc: str = "tuned") 
     with log.open("ab") as sink:
         code = subprocess.run(command, stdout=sink, stderr=sink, env=env).returncode
     if code != 0:
-        raise NobubbleError(f"{cfg.schedule.schedule} exited with status {code}:\n{_tail(log)}")
+        raise NobubbleError(f"{cfg.schedule.name} exited with status {code}:\n{_tail(log)}")
     summary = json.loads((out / "summary.json").read_text())
     return {
         "tokens_per_s": summary["tokens_per_s"],

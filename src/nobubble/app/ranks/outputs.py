@@ -47,7 +47,7 @@ def write_outputs(run: Any, gathered: list[dict[str, Any]], sample: str | None) 
     events += trace_events(comm, time_scale_us=1e6, process_name="communication", pid=1)
     save_trace(run.run_dir / "trace.json", events)
     title = (
-        f"{run.cfg.schedule.schedule}  measured, {run.env.world_size} processes  "
+        f"{run.cfg.schedule.name}  measured, {run.env.world_size} processes  "
         f"bubble {util['bubble_share']:.1%}"
     )
     save_gantt(run.run_dir / "timeline.png", [(title, lanes)], time_unit="seconds")

@@ -123,7 +123,7 @@ class RankRun:
         self.bar = bar = tqdm(
             total=self.cfg.run.steps,
             initial=self.start_step,
-            desc=f"{self.cfg.schedule.schedule} (dist, {self.env.world_size} ranks)",
+            desc=f"{self.cfg.schedule.name} (dist, {self.env.world_size} ranks)",
             unit="step",
             disable=not show,
             leave=False,

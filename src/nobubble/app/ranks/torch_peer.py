@@ -118,9 +118,9 @@ def peer_config(cfg: TrainConfig, schedule: str, virtual_stages: int | None = No
 
 
 def peer_placement(cfg: TrainConfig) -> Placement:
-    """Which stages each rank holds: the placement of ``cfg.schedule.schedule``, as torch maps them
+    """Which stages each rank holds: the placement of ``cfg.schedule.name``, as torch maps them
     (``generate_stage_to_rank_mapping``: "loop" for the interleaved classes, "v" for ZBV)."""
-    info = SCHEDULES[cfg.schedule.schedule]
+    info = SCHEDULES[cfg.schedule.name]
     return Placement(info.placement, cfg.num_ranks, cfg.model_stages // cfg.num_ranks)
 
 

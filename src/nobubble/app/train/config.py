@@ -36,7 +36,7 @@ from nobubble.app.train.sections import (
     check_port,
     check_positive,
 )
-from nobubble.core.schedules import ScheduleSpec
+from nobubble.core.schedule_spec import ScheduleSpec, check_one_schedule
 from nobubble.data import DataConfig
 from nobubble.model import MODEL_PRESETS
 from nobubble.model.hf import check_installed, config_layers, config_vocab
@@ -61,6 +61,9 @@ RUNTIME_ONLY = (
     "data_parallel",  # the fingerprint holds the global micro-batch instead (resume at any D)
     "bucket_mb",
     "shard",  # a sharded stage's checkpoint is gathered: the replicated format
+    # where a given order was read from; the fingerprint holds its hash (schedule_order)
+    "from_torch_csv",
+    "from_json",
 )
 # A former key -> its one name (config files, checkpoints and run keys written before it load).
 KEY_ALIASES = {"stages": "num_ranks"}
@@ -97,6 +100,8 @@ class TrainConfig:
             check_positive(name, getattr(run, name), minimum=0)
         check_positive("threads", self.launch.threads, minimum=0)
         check_port(self.launch.master_port)
+        if not isinstance(self.schedule.schedule, str):  # its config and ranks name a file
+            raise TypeError("a run trains a given order from a file: save_json it, give from_json")
         # the pipeline's options: each spec checked itself, now against the others (api/config)
         object.__setattr__(self, "pipeline", self._pipeline_config())
         self.schedule.check(run.num_ranks)  # the schedule's own preconditions on (P, M, v)
@@ -132,6 +137,7 @@ class TrainConfig:
     def from_mapping(values: Mapping[str, Any], base: TrainConfig | None = None) -> TrainConfig:
         keys = _keys()
         normalized = TrainConfig.normalized(values)
+        check_one_schedule(normalized)
         unknown = sorted(set(normalized) - set(keys))
         if unknown:
             raise ValueError(
@@ -305,7 +311,7 @@ class TrainConfig:
         per_rank = self.model_stages // self.num_ranks
         cut = (
             f" cuts the model into {self.model_stages} stages ({per_rank} per rank under "
-            f"{self.schedule.schedule}), which"
+            f"{self.schedule.name}), which"
             if per_rank > 1
             else ""
         )
@@ -343,6 +349,9 @@ class TrainConfig:
         micro-batch is the global one: a run resumes at another D with the same global batch."""
         values = {k: v for k, v in self.to_json().items() if k not in RUNTIME_ONLY}
         values["micro_batch_size"] = self.global_micro_batch_size
+        values["schedule_order"] = self.schedule.digest  # a given order: its rows, not its file
+        if self.schedule.program is not None:
+            values["schedule"] = "a given order"
         return values
 
     @staticmethod

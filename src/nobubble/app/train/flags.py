@@ -120,6 +120,7 @@ def build_train_parser() -> argparse.ArgumentParser:
             type=kind,
             default=None,
             choices=choices.get(key),
+            metavar="FILE" if key in ("from_torch_csv", "from_json") else None,
             help=help_text.strip(),
         )
     return p

@@ -4,9 +4,11 @@ the refusal of a run that would not fit this machine."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from nobubble.core import util
+from nobubble.core.program import peak_inflight
 from nobubble.model import model_config
 from nobubble.model.memory import FP32, StageLoad, machine_bytes, stage_bytes, stage_loads
 
@@ -63,15 +65,20 @@ def run_stage_loads(cfg: TrainConfig, seq_len: int | None = None) -> list[StageL
     """Layers, parameters, micro-batches in flight and weight versions of each stage."""
     seq_len = seq_len or cfg.data.seq_len
     model = model_config(cfg.model.model, cfg.model_vocab_size, seq_len)
-    return stage_loads(
+    loads = stage_loads(
         model,
-        cfg.schedule.schedule,
+        cfg.schedule.name,
         cfg.num_ranks,
         cfg.num_microbatches,
         cfg.run.steps,
         seq_len,
         cfg.model_stages // cfg.num_ranks,
     )
+    program = cfg.schedule.program
+    if program is None or program.num_stages != len(loads):
+        return loads  # a given order of other stages is refused by the run's checks
+    # a given order has no closed form: walk its batch
+    return [replace(load, inflight=peak_inflight(program, s)) for s, load in enumerate(loads)]
 
 
 def memory_bytes(

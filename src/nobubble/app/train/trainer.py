@@ -38,6 +38,7 @@ from nobubble.app.train.checkpoint import (
 from nobubble.app.train.config import TrainConfig
 from nobubble.app.train.metrics import MetricsWriter, truncate_metrics
 from nobubble.app.train.sampling import sample
+from nobubble.core.schedule_spec import FILE_KEYS
 from nobubble.data import TokenData
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
             )
         return out
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{stamp}-{cfg.schedule.schedule}-{cfg.optimizer.optimizer}"
+    return Path("runs") / f"{stamp}-{cfg.schedule.name}-{cfg.optimizer.optimizer}"
 
 
 def validation_loss(pipe: Pipeline, cfg: TrainConfig, data: TokenData) -> float | None:
@@ -111,6 +112,8 @@ class Trainer:
         self.start_step, manifest = 0, None
         if cfg.launch.resume:  # check everything before any work or any write
             saved = TrainConfig.load(self.run_dir / "config.json")["config"]
+            # a given order is read where it is now; the checkpoint's hash of it is checked below
+            saved.update({k: getattr(cfg.schedule, k) for k in FILE_KEYS if k in saved})
             check_fingerprint(
                 {"fingerprint": TrainConfig.from_mapping(saved).fingerprint()},
                 cfg.fingerprint(),
@@ -212,7 +215,7 @@ class Trainer:
         self.bar = tqdm(
             total=self.cfg.run.steps,
             initial=self.start_step,
-            desc=self.cfg.schedule.schedule,
+            desc=self.cfg.schedule.name,
             unit="step",
             disable=not self.cfg.launch.progress,
             leave=False,
@@ -317,7 +320,7 @@ def run_summary(
     tokens = steady[-1]["tokens"] - steady[0]["tokens"] if len(steady) > 1 else 0
     seconds = steady[-1]["elapsed_s"] - steady[0]["elapsed_s"] if len(steady) > 1 else 0.0
     return {
-        "schedule": cfg.schedule.schedule,
+        "schedule": cfg.schedule.name,
         "optimizer": cfg.optimizer.optimizer,
         "correction": cfg.correction.correction,
         "stages": cfg.num_ranks,

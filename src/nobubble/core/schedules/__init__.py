@@ -9,11 +9,9 @@ schedule's preconditions and calls the generator.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from nobubble.core.ir import Schedule, ScheduleError
-from nobubble.core.placement import Placement
 from nobubble.core.schedules import (
     dualpipev,
     gpipe,
@@ -230,76 +228,10 @@ def generate_resolved(
         return info.generate(num_stages, m, num_steps, drain_every, drain_at=drain_at, **placed)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ScheduleSpec:
-    """Which schedule runs and how a step is cut: the schedule's part of a run's configuration.
-
-    schedule: a name of ``SCHEDULES`` (``nobubble schedules`` lists them with their summaries).
-    microbatches: micro-batches per optimizer step, M. accum: the accumulation factor ``a`` of
-        pipedream (default 1) and paci (default ``microbatches``); refused elsewhere.
-    virtual_stages: interleaved-1f1b's stages per rank v (default 2; zbv's is 2); refused by
-        the schedules that place one stage per rank.
-
-    Resolved once, here: ``num_microbatches`` (the M the schedule runs) and ``stages_per_rank``.
-    """
-
-    schedule: str = field(default="1f1b", metadata={"help": "the pipeline schedule"})
-    microbatches: int = field(default=4, metadata={"help": "micro-batches per optimizer step M"})
-    accum: int | None = field(
-        default=None,
-        metadata={"help": "accumulation factor a of pipedream (default 1) and paci (default M)"},
-    )
-    virtual_stages: int | None = field(
-        default=None, metadata={"help": "stages per rank v of interleaved-1f1b (default 2; zbv: 2)"}
-    )
-    num_microbatches: int = field(init=False)
-    stages_per_rank: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        info = schedule_info(self.schedule)
-        _check_positive("the number of micro-batches M", "--microbatches", self.microbatches)
-        if self.accum is not None and not info.uses_accum:
-            accum_users = ", ".join(n for n, i in SCHEDULES.items() if i.uses_accum)
-            raise ScheduleError(
-                f"accum={self.accum} applies to {accum_users}, not {self.schedule}: use "
-                "microbatches"
-            )
-        m = resolve_microbatches(self.schedule, self.microbatches, self.accum)
-        object.__setattr__(self, "num_microbatches", m)
-        v = resolve_virtual_stages(self.schedule, self.virtual_stages)
-        object.__setattr__(self, "stages_per_rank", v)
-
-    @property
-    def info(self) -> ScheduleInfo:
-        return SCHEDULES[self.schedule]
-
-    def check(self, num_ranks: int) -> None:
-        """The schedule's own preconditions on (P, M, v), before any is generated."""
-        _check_positive("the number of stages P", "--stages", num_ranks)
-        if self.info.check is not None:
-            self.info.check(num_ranks, self.num_microbatches, self.stages_per_rank)
-
-    def placement(self, num_ranks: int) -> Placement:
-        return Placement(self.info.placement, num_ranks, self.stages_per_rank)
-
-    def generate(self, num_ranks: int, num_steps: int, **options: Any) -> Schedule:
-        """The schedule for P = ``num_ranks`` and ``num_steps`` steps (``options``: those of
-        ``generate_resolved``: drain_every, sync_warmup, max_actions, drain_at)."""
-        return generate_resolved(
-            self.schedule,
-            num_ranks,
-            self.num_microbatches,
-            self.stages_per_rank,
-            num_steps,
-            **options,
-        )
-
-
 __all__ = [
     "SCHEDULES",
     "SCHEDULE_NAMES",
     "ScheduleInfo",
-    "ScheduleSpec",
     "build_schedule",
     "generate_resolved",
     "resolve_microbatches",
