@@ -16,6 +16,7 @@ from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
+from nobubble.engine.blocks import block_calls
 from nobubble.engine.devices import to_device
 from nobubble.engine.saved import Pending, Saved
 from nobubble.engine.ties import Tie
@@ -81,6 +82,9 @@ class StageWorker(WorkerBackward):
         # are DTensor shards; it gathers the weights each action reads and reduce-scatters the
         # gradients each backward makes
         self.sharded = sharded
+        # checkpointed blocks: a step stashes the weights of rebuilds to come (engine/blocks.py;
+        # a sharded stage's blocks read gathered leaves, refused there with plain paci)
+        self.checkpointed = block_calls(module) if sharded is None else []
         self.versions = self._new_versions(schedule, ledger)
         self.saved: dict[int, Saved] = {}
         self.pending: dict[int, Pending] = {}  # split backward: I ran, W not yet

@@ -14,6 +14,7 @@ from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
+from nobubble.engine.blocks import BlockCall
 from nobubble.engine.ties import Tie, TieMeeting, tied_square
 from nobubble.engine.versions import WeightVersions
 from nobubble.optim import (
@@ -44,6 +45,7 @@ class WorkerStep:
     device: torch.device
     sharded: Any
     versions: WeightVersions
+    checkpointed: list[BlockCall]  # the stage's checkpointed blocks (engine/blocks.py)
     saved: dict[int, Any]
     backwards_in_batch: int
     peak_saved: int
@@ -177,6 +179,8 @@ class WorkerStep:
         due = self.versions.predictions_due()
         previous = [p.detach().clone() for p in params] if due else None
         self.versions.before_update()
+        for block in self.checkpointed:  # rebuilds to come keep the values their forward read
+            block.stash_live()
         self.correction.apply(params, self.optimizer.step, delay)
         self.optimizer.zero_grad(set_to_none=True)
         self.versions.after_update(previous)
