@@ -131,12 +131,18 @@ def paci(stages: int, **compute: object) -> tuple[list[float], dict[str, torch.T
     return losses, weights(pipe.stages), pipe
 
 
-@pytest.mark.parametrize(("stages", "mode"), [(3, "full"), (4, "selective")])
-def test_plain_paci_with_checkpointing_trains_bitwise_as_without(stages, mode):
+@pytest.mark.parametrize(
+    ("stages", "mode", "dtype"),
+    [(3, "full", "fp32"), (4, "selective", "fp32"), (3, "full", "bf16")],
+)
+def test_plain_paci_with_checkpointing_trains_bitwise_as_without(stages, mode, dtype):
     """M = 4 < P + 1: early stages take steps between a forward and its backward (delay > 0),
-    so the rebuild needs the stash of the forward's values; the last stage needs none."""
-    ref_losses, ref_weights, _ = paci(stages)
-    losses, trained, pipe = paci(stages, activation_checkpointing=mode, selective_every=2)
+    so the rebuild needs the stash of the forward's values; the last stage needs none. Under
+    bf16 autocast the weights' casts are computed activations, rebuilt from the stash too."""
+    ref_losses, ref_weights, _ = paci(stages, dtype=dtype)
+    losses, trained, pipe = paci(
+        stages, activation_checkpointing=mode, selective_every=2, dtype=dtype
+    )
     delays = [w.ledger.delay for w in pipe.workers]  # type: ignore[attr-defined]
     assert max(delays[0]) > 0 and max(delays[-1]) == 0
     assert losses == ref_losses
