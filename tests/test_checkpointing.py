@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import nobubble
-from _api_reference import M, Problem, assert_bitwise, run_pipeline, weights
+from _api_reference import M, Problem, adamw, assert_bitwise, run_pipeline, weights
 from _reference import CFG, batch_fn
 from nobubble.engine import blocks
 from nobubble.model import build_model, lm_loss
@@ -164,25 +164,37 @@ def test_plain_paci_rebuilds_need_the_stash_and_the_live_weights(monkeypatch, br
     assert any(not torch.equal(trained[n], ref_weights[n]) for n in ref_weights)
 
 
-def test_the_stash_is_one_copy_per_version_and_goes_with_its_graph():
-    """Captures forwarded at one version share one copy per parameter; once their backward
-    has run, nothing is pending and the copies are freed with them."""
-    made: list[tuple[int, set[tuple[int, ...]]]] = []  # per step: captures stashed, copies
-    original = blocks.BlockCall.stash_live
-
-    def counted(self):  # type: ignore[no-untyped-def]
-        unstashed = [c for c in self.pending if c.stash is None]
-        original(self)
-        stashed = [c.stash for c in unstashed if c.stash is not None]
-        made.append((len(stashed), {tuple(map(id, s.values())) for s in stashed}))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(blocks.BlockCall, "stash_live", counted)
-        _, _, pipe = paci(3, activation_checkpointing="full")
-    assert all(len(copies) == (n > 0) for n, copies in made)
-    assert max(n for n, _ in made) >= 2  # two micro-batches' rebuilds shared one copy
-    calls = [c for w in pipe.workers for c in w.checkpointed]  # type: ignore[attr-defined]
-    assert calls and all(len(c.pending) == 0 for c in calls)
+@pytest.mark.parametrize(("stages", "microbatches", "first"), [(3, 4, 1), (4, 2, 2)])
+def test_the_stash_is_a_copy_of_the_blocks_weights_per_version_in_flight(
+    stages, microbatches, first
+):
+    """Captures of one version share one copy of their block's weights, made at the step that
+    first passes their forward: a stage holds at most its largest delay copies (P=4, M=2:
+    stage 0 has micro-batches of two versions in flight, two copies), the last stage none.
+    Once their backward has run nothing is pending, and the copies go with the captures."""
+    model = GPT.make_model()
+    pipe = nobubble.Pipeline(
+        GPT.cut(model, stages),
+        lm_loss,
+        schedule="paci",
+        microbatches=microbatches,
+        optimizer=adamw,
+        activation_checkpointing="full",
+    )
+    for j in range(STEPS):
+        x, y = GPT.batch(j)
+        pipe.step(x[: 2 * microbatches], y[: 2 * microbatches])
+    pipe.drain()
+    copies = []
+    for w in pipe.workers:  # type: ignore[attr-defined]
+        block = sum(
+            p.numel() * p.element_size() for c in w.checkpointed for p in c.block.parameters()
+        )
+        assert w.peak_stash_bytes % block == 0
+        copies.append(w.peak_stash_bytes // block)
+        assert copies[-1] <= max(w.ledger.delay)
+        assert all(len(c.pending) == 0 for c in w.checkpointed)
+    assert copies[0] == first and copies[-1] == 0
 
 
 def test_checkpointing_with_paci_is_refused_only_on_sharded_stages():

@@ -140,6 +140,18 @@ class BlockCall:
             capture.stash = {n: copies[n] for n in live}
 
 
+def stash_bytes(calls: list[BlockCall]) -> int:
+    """The bytes of the stashes alive in ``calls``' pending captures (each copy once)."""
+    copies = {
+        id(t): t.numel() * t.element_size()
+        for call in calls
+        for capture in call.pending
+        if capture.stash is not None
+        for t in capture.stash.values()
+    }
+    return sum(copies.values())
+
+
 def block_calls(stage: nn.Module) -> list[BlockCall]:
     """The checkpointed blocks of ``stage`` (``wrap_blocks``'s), whose captures a step stashes."""
     calls = [m.__dict__.get("forward") for m in stage.modules()]
@@ -173,5 +185,6 @@ __all__ = [
     "Capture",
     "block_calls",
     "read_weights",
+    "stash_bytes",
     "wrap_blocks",
 ]

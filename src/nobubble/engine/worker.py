@@ -97,6 +97,8 @@ class StageWorker(WorkerBackward):
         self.losses: dict[int, torch.Tensor] = {}
         self.peak_saved = 0
         self.peak_activation_bytes = 0
+        # the most bytes of weights stashed for checkpointed blocks' rebuilds (plain paci)
+        self.peak_stash_bytes = 0
         self.grad_norms: dict[int, float] = {}  # step -> gradient norm before clipping
         self.in_spec: BoundarySpec | None = None  # agreed at the first micro-batch
         self.forwards = 0  # forwards run in this schedule (they run in micro-batch order)
