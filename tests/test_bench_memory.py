@@ -39,3 +39,7 @@ def test_a_rank_is_held_to_its_weights_grads_optimizer_state_and_activations():
     assert (row["weights_MiB"], row["build_MiB"], row["over_MiB"]) == (40, 50, 10)
     summary["memory"][0]["peak_rss"] = 880 * MIB
     assert rank_rows(summary, idle)[0]["holds"]
+    # plain paci with checkpointing: the stash of its rebuilds counts in the bound
+    summary["memory"][0].update(peak_rss=900 * MIB, stash_bytes=15 * MIB)
+    (row,) = rank_rows(summary, idle)
+    assert (row["bound_MiB"], row["stash_MiB"], row["holds"]) == (205, 15, True)

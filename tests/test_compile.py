@@ -1,10 +1,11 @@
 """Compiled blocks (``Pipeline(compile=True)``): torch.compile on each block of each stage.
 
 One test (a first compile costs tens of seconds on a CPU): losses within a stated tolerance of
-the uncompiled run (inductor fuses and reorders float arithmetic) under 1f1b and under PACI with
+the uncompiled run (inductor fuses and reorders float arithmetic) under 1f1b, under PACI with
 weight prediction, whose forwards read versions and predictions (tensors other than the
-parameters, swapped in by functional_call); and no recompilation once the first two steps have
-shown every kind of weight set (the graph count stays put)."""
+parameters, swapped in by functional_call), and under PACI with every block checkpointed (some
+rebuilds run on fresh tensors holding a stash); and no recompilation once the first two steps
+have shown every kind of weight set (the graph count stays put)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ def compiled(schedule: str, **kwargs: object) -> tuple[list[float], list[int]]:
 
 
 def test_compiled_blocks_train_as_uncompiled_without_recompiling():
-    for schedule, kwargs in (("1f1b", {}), ("paci", {"correction": "predict"})):
+    cases: list[tuple[str, dict[str, object]]] = [
+        ("1f1b", {}),
+        ("paci", {"correction": "predict"}),
+        ("paci", {"activation_checkpointing": "full"}),
+    ]
+    for schedule, kwargs in cases:
         _, ref, _ = run_pipeline(GPT, schedule, 2, STEPS, **kwargs)
         losses, graphs = compiled(schedule, **kwargs)
         torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-5)

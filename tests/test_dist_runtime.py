@@ -189,6 +189,25 @@ def test_dist_trains_a_tied_hugging_face_llama_as_the_emulator_does(corpus, tmp_
     assert torch.equal(first["model.embed_tokens.weight"], last["lm_head.weight"])
 
 
+@pytest.mark.slow
+def test_dist_paci_with_activation_checkpointing_resumes_as_the_emulator_trains(corpus, tmp_path):
+    """``--schedule paci --activation-checkpointing full`` (no --paci-recompute) over 3 ranks,
+    stopped at the checkpoint of step 3 and resumed: the emulator's uninterrupted run with
+    checkpointing bit for bit (metrics and every part), whose numbers are those without
+    checkpointing. Stage 0 holds micro-batches of two batches, so steps land between forwards
+    and their backwards (the rebuilds read the stash)."""
+    flags = small_flags(corpus, "paci", 3, checkpoint_every=3, dist_timeout=30)
+    checkpointed = [*flags, "--activation-checkpointing", "full"]
+    out = launch([*checkpointed, "--stop-at", "3"], tmp_path / "dist")
+    resumed = run_train(
+        "--resume", str(out), "--runtime", "dist", "--threads", "1", "--no-progress"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["peak_inflight"][0] > MICROBATCHES
+    assert_equivalent(out, emulate(checkpointed, tmp_path / "emulated"), stages=3)
+    assert numbers(read_metrics(out)) == numbers(read_metrics(emulate(flags, tmp_path / "plain")))
+
+
 # ----- 2. the run directory of a dist run --------------------------------------------------------
 def x_events(trace: dict, pid: int) -> list[dict]:
     return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid]

@@ -248,21 +248,20 @@ class ComputeSpec:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
-    def check(self, info: ScheduleInfo, data_parallel: int) -> None:
+    def check(self, info: ScheduleInfo, data_parallel: int, shard: str = "none") -> None:
         if self.paci_recompute and info.name != "paci":
             raise ValueError(f"paci_recompute=True applies to paci only, not {info.name}")
         if self.fused_grad_accumulation:
             check_fusable(info.name, info.split_backward, data_parallel)
         checkpointed = self.activation_checkpointing != "none"
-        if checkpointed and info.name == "paci" and not self.paci_recompute:
+        if checkpointed and info.name == "paci" and not self.paci_recompute and shard == "fsdp":
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} with "
-                "schedule='paci': "
-                "paci's steps update the weights a forward read in place before its backward, so "
-                "a rebuilt block would read other weights than its forward did (the exact rebuild "
-                "needs a copy of every version in flight, the stash paci avoids); use "
-                "paci_recompute=True (the whole stage rebuilt at backward, on the live weights), "
-                "a stashing schedule (2bw, pipedream), or activation_checkpointing='none'"
+                "schedule='paci' and shard='fsdp': paci's steps update the weights a forward "
+                "read in place before its backward, so a rebuilt block needs a copy of the "
+                "values its forward read, which a sharded stage does not hold between actions "
+                "(only its shards); use shard='none', paci_recompute=True (the whole stage "
+                "rebuilt at backward, on the live weights) or activation_checkpointing='none'"
             )
         if self.compile and info.split_backward:
             raise ValueError(
@@ -322,7 +321,7 @@ class PipelineConfig:
         # the correction's defaults (0) become their share of the steps, once, here
         object.__setattr__(self, "correction", self.correction.resolved(steps))
         self.optimizer.global_clip(info)
-        self.compute.check(info, self.runtime.data_parallel)
+        self.compute.check(info, self.runtime.data_parallel, shard)
         if isinstance(self.optimizer.optimizer, str):
             optimizer_entry(self.optimizer.optimizer).check_shard(shard)
         if self.runtime.data_parallel > 1 and self.schedule.stages_per_rank > 1:

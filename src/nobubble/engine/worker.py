@@ -16,6 +16,7 @@ from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
+from nobubble.engine.blocks import block_calls
 from nobubble.engine.saved import Pending, Saved
 from nobubble.engine.ties import Tie
 from nobubble.engine.tree import (
@@ -88,6 +89,9 @@ class StageWorker(WorkerBackward):
         # are DTensor shards; it gathers the weights each action reads and reduce-scatters the
         # gradients each backward makes
         self.sharded = sharded
+        # checkpointed blocks: a step stashes the weights of rebuilds to come (engine/blocks.py;
+        # a sharded stage's blocks read gathered leaves, refused there with plain paci)
+        self.checkpointed = block_calls(module) if sharded is None else []
         self.versions = self._new_versions(schedule, ledger)
         self.saved: dict[int, Saved] = {}
         self.pending: dict[int, Pending] = {}  # split backward: I ran, W not yet
@@ -100,6 +104,8 @@ class StageWorker(WorkerBackward):
         self.losses: dict[int, torch.Tensor] = {}
         self.peak_saved = 0
         self.peak_activation_bytes = 0
+        # the most bytes of weights stashed for checkpointed blocks' rebuilds (plain paci)
+        self.peak_stash_bytes = 0
         self.grad_norms: dict[int, float] = {}  # step -> gradient norm before clipping
         self.in_spec: BoundarySpec | None = None  # agreed at the first micro-batch
         self.forwards = 0  # forwards run in this schedule (they run in micro-batch order)

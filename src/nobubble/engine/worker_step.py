@@ -15,6 +15,7 @@ from torch import nn
 
 from nobubble.core.ir import Schedule
 from nobubble.core.ledger import StageLedger
+from nobubble.engine.blocks import BlockCall, stash_bytes
 from nobubble.engine.devices import to_device
 from nobubble.engine.ties import Tie, TieMeeting, tied_square
 from nobubble.engine.versions import WeightVersions
@@ -46,10 +47,12 @@ class WorkerStep:
     device: torch.device
     sharded: Any
     versions: WeightVersions
+    checkpointed: list[BlockCall]  # the stage's checkpointed blocks (engine/blocks.py)
     saved: dict[int, Any]
     backwards_in_batch: int
     peak_saved: int
     peak_activation_bytes: int
+    peak_stash_bytes: int
     grad_norms: dict[int, float]
     ties: list[Tie]
     num_stages: int
@@ -208,6 +211,11 @@ class WorkerStep:
         due = self.versions.predictions_due()
         previous = [p.detach().clone() for p in params] if due else None
         self.versions.before_update()
+        if self.checkpointed:  # rebuilds to come keep the values their forward read
+            for block in self.checkpointed:
+                block.stash_live()
+            # stashes are made only here and freed later: the peak is right after a step's
+            self.peak_stash_bytes = max(self.peak_stash_bytes, stash_bytes(self.checkpointed))
         self.correction.apply(params, self.optimizer.step, delay)
         self.optimizer.zero_grad(set_to_none=True)
         self.versions.after_update(previous)

@@ -111,12 +111,15 @@ def train_flags(cfg: MemoryBench, model: Path, stages: int, out: Path) -> list[s
 def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, Any]]:
     """Per rank: its stage's weights; the memory building them took (the peak once the model
     was built, minus the idle rank's at the same point); the run's growth (peak minus the idle
-    rank's peak) against the bound; the freed memory malloc kept at the end."""
+    rank's peak) against the bound (with the stash of plain paci's checkpointed blocks when
+    there is one); the freed memory malloc kept at the end."""
     rows = []
     for m, base in zip(summary["memory"], idle["memory"], strict=True):
         assert m["rank"] == base["rank"]
         growth = m["peak_rss"] - base["peak_rss"]
-        bound = 2 * m["param_bytes"] + m["optimizer_bytes"] + m["activation_bytes"]
+        # plain paci with checkpointing also holds the weights stashed for rebuilds to come
+        stash = m.get("stash_bytes", 0)
+        bound = 2 * m["param_bytes"] + m["optimizer_bytes"] + m["activation_bytes"] + stash
         free = m.get("malloc_free")
         rows.append(
             {
@@ -135,6 +138,8 @@ def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, A
                 "malloc_free_MiB": None if free is None else round(free / MIB),
             }
         )
+        if stash:
+            rows[-1]["stash_MiB"] = round(stash / MIB, 2)
         if "peak_where" in m:  # --where: the sampled peak (at most the true one) and its moment
             rows[-1]["sampled_peak_MiB"] = round(m["sampled_peak"] / MIB)
             rows[-1]["peak_during"] = m["peak_where"]

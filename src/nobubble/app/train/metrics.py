@@ -65,8 +65,9 @@ def rank_memory(
 ) -> dict[str, Any]:
     """A rank's memory figures for its run summary: its resident set before the model was
     built, its peak once the model was built and at the end (``getrusage``), what its own
-    stages hold (weights, optimizer state, the most bytes of activations held for backward;
-    gradients take the weights' bytes), and the freed memory malloc keeps at the end."""
+    stages hold (weights, optimizer state, the most bytes of activations held for backward, of
+    weights stashed for checkpointed blocks' rebuilds; gradients take the weights' bytes), and
+    the freed memory malloc keeps at the end."""
     from nobubble.core.host_memory import malloc_free_bytes, peak_rss_bytes
 
     params = [p for w in workers for p in w.module.parameters()]
@@ -88,4 +89,6 @@ def rank_memory(
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
         "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
         "activation_bytes": max(w.peak_activation_bytes for w in workers),
+        # weights copied for checkpointed blocks' rebuilds under plain paci (engine/blocks.py)
+        "stash_bytes": max(w.peak_stash_bytes for w in workers),
     }
