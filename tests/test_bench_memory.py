@@ -43,3 +43,11 @@ def test_a_rank_is_held_to_its_weights_grads_optimizer_state_and_activations():
     summary["memory"][0].update(peak_rss=900 * MIB, stash_bytes=15 * MIB)
     (row,) = rank_rows(summary, idle)
     assert (row["bound_MiB"], row["stash_MiB"], row["holds"]) == (205, 15, True)
+    # the last stage stashes nothing: its row has the column too (0), so the table prints
+    last = {**summary["memory"][0], "rank": 1, "stash_bytes": 0}
+    rows = rank_rows(
+        {"memory": [summary["memory"][0], last]},
+        {"memory": [*idle["memory"], {**idle["memory"][0], "rank": 1}]},
+    )
+    assert [r["stash_MiB"] for r in rows] == [15, 0]
+    assert "stash_MiB" not in rank_rows({"memory": [last]}, idle)[0]  # no rank stashed

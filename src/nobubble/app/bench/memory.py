@@ -138,11 +138,13 @@ def rank_rows(summary: dict[str, Any], idle: dict[str, Any]) -> list[dict[str, A
                 "malloc_free_MiB": None if free is None else round(free / MIB),
             }
         )
-        if stash:
-            rows[-1]["stash_MiB"] = round(stash / MIB, 2)
+        rows[-1]["stash_MiB"] = round(stash / MIB, 2)
         if "peak_where" in m:  # --where: the sampled peak (at most the true one) and its moment
             rows[-1]["sampled_peak_MiB"] = round(m["sampled_peak"] / MIB)
             rows[-1]["peak_during"] = m["peak_where"]
+    if not any(r["stash_MiB"] for r in rows):  # a column only where some rank stashed
+        for r in rows:
+            del r["stash_MiB"]
     return rows
 
 
