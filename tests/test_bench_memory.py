@@ -50,4 +50,6 @@ def test_a_rank_is_held_to_its_weights_grads_optimizer_state_and_activations():
         {"memory": [*idle["memory"], {**idle["memory"][0], "rank": 1}]},
     )
     assert [r["stash_MiB"] for r in rows] == [15, 0]
-    assert "stash_MiB" not in rank_rows({"memory": [last]}, idle)[0]  # no rank stashed
+    assert (
+        "stash_MiB" not in rank_rows({"memory": [{**last, "rank": 0}]}, idle)[0]
+    )  # no rank stashed
