@@ -237,6 +237,7 @@ def test_a_saved_race_shown_again_carries_a_later_checks_error_bars(tmp_path):
     assert (row["stages"], row["optimizer"], row["baseline"]) == (8, "muon", "zbv")
     median = shown["variants"]["paci"]["vs_best_median"]
     line = next(ln for ln in format_verdicts([row]).splitlines() if "paci" in ln)
+    assert "paci" in format_race(shown)  # the seeds read back as the race wrote them
     assert f"{median:.3f} ±{0.1 * median:.3f} (1/2)" in line
     with pytest.raises(ValueError, match="older format"):
         old = {"equal_steps": {"variants": {"paci": {}}}, "equal_budget": {"variants": {}}}

@@ -202,6 +202,9 @@ def load_race(path: Path, projection_from: Path | None = None) -> dict[str, Any]
             f"--show {path}: a race of the older format (no clock per row, before issue 44); "
             "print it with the code that wrote it, or run the race again"
         )
+    for one in _races_of(result):  # JSON keeps the seeds' keys as strings
+        for row in one["variants"].values():
+            row["seeds"] = {int(k): v for k, v in row["seeds"].items()}
     if projection_from is not None:
         check = options(RaceConfig(projection_from=projection_from), "emulate").projection_error
         for one in _races_of(result):
