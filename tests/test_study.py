@@ -78,3 +78,17 @@ def test_the_grid_is_relative_to_1f1b_at_every_point():
     assert all(r["vs_1f1b"] == 1.0 for r in rows if r["schedule"] == "1f1b")
     paci = [r for r in rows if r["schedule"] == "paci"]
     assert all(r["vs_1f1b"] > 1.0 and r["bubble"] < 0.05 for r in paci)
+
+
+def test_dualpipev_and_looped_bfs_join_the_grid_where_they_run():
+    rows = simulate_grid(UNIT, sizes=(4,), factors=(1, 2), scenarios=("ideal",))
+    where = {(r["schedule"], r["M"]) for r in rows}
+    assert ("dualpipev", 8) in where and ("dualpipev", 4) not in where  # M >= 2P only
+    assert {("looped-bfs", 4), ("looped-bfs", 8)} <= where
+    by = {(r["schedule"], r["M"]): r for r in rows}
+    # DualPipeV: between ZB-V and 1F1B; 2P+1 stage-micro-batches of half a rank's layers each
+    assert by[("zbv", 8)]["bubble"] <= by[("dualpipev", 8)]["bubble"] < by[("1f1b", 8)]["bubble"]
+    assert by[("dualpipev", 8)]["peak_inflight"] == (2 * 4 + 1) / 2
+    # Looped BFS: GPipe's activations (all M micro-batches), less idle than 1F1B
+    assert by[("looped-bfs", 8)]["peak_inflight"] == 8
+    assert by[("looped-bfs", 8)]["bubble"] < by[("1f1b", 8)]["bubble"]

@@ -31,7 +31,16 @@ from nobubble.core.schedules import SCHEDULES, build_schedule
 from nobubble.core.sim import CostModel, simulate
 
 # the synchronous schedules, then the asynchronous ones; 1f1b is every ratio's denominator
-STUDY_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "2bw", "paci")
+STUDY_SCHEDULES = (
+    "1f1b",
+    "interleaved-1f1b",
+    "looped-bfs",
+    "zb-h1",
+    "zbv",
+    "dualpipev",
+    "2bw",
+    "paci",
+)
 PIPELINE_SIZES = (4, 8, 16, 32)
 M_FACTORS = (1, 2, 4)  # M = factor * P
 SCENARIOS = ("measured", "ideal")
@@ -163,15 +172,25 @@ def simulate_grid(
     factors: Sequence[int] = M_FACTORS,
     scenarios: Sequence[str] = SCENARIOS,
 ) -> list[dict[str, Any]]:
-    """Every (scenario, P, M, schedule) of the grid; ``vs_1f1b`` is throughput over 1f1b's."""
+    """Every (scenario, P, M, schedule) of the grid; ``vs_1f1b`` is throughput over 1f1b's. A
+    schedule that refuses a point (dualpipev needs M >= 2P) has no row there."""
     rows = []
     for scenario in scenarios:
         for P in sizes:
             for factor in factors:
-                group = [simulate_row(costs, s, P, factor * P, scenario) for s in schedules]
+                runs = [s for s in schedules if _valid(s, P, factor * P)]
+                group = [simulate_row(costs, s, P, factor * P, scenario) for s in runs]
                 base = next(r for r in group if r["schedule"] == "1f1b")["tokens_per_s"]
                 rows += [{**r, "vs_1f1b": r["tokens_per_s"] / base} for r in group]
     return rows
+
+
+def _valid(schedule: str, P: int, M: int) -> bool:
+    try:
+        build_schedule(schedule, P, M, 1, max_actions=None)
+    except ValueError:
+        return False
+    return True
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
