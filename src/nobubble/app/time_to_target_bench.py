@@ -229,6 +229,8 @@ def verdict_rows(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
             out |= {k: first.get(k) for k in ("stages", "microbatches", "baseline")}
             out["optimizer"] = first.get("optimizer", "?")  # races before it was recorded: ?
             for title, one in zip(("steps", "budget"), races, strict=False):
+                if label not in one["variants"]:  # a lean budget left it out
+                    continue
                 r = one["variants"][label]
                 out[f"{title}_vs_best"] = r["vs_best_median"]
                 out[f"{title}_reached"] = r["vs_best_reached"]
