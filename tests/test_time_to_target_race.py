@@ -240,7 +240,7 @@ def test_a_saved_race_shown_again_carries_a_later_checks_error_bars(tmp_path):
     assert "paci" in format_race(shown)  # the seeds read back as the race wrote them
     assert f"{median:.3f} ±{0.1 * median:.3f} (1/2)" in line
     lean = {"equal_steps": shown, "equal_budget": {**shown, "variants": {}}}  # all left out
-    assert all("budget_vs_best" not in r for r in verdict_rows({"lean": lean}))
+    assert all("budget_median" not in r for r in verdict_rows({"lean": lean}))
     with pytest.raises(ValueError, match="older format"):
         old = {"equal_steps": {"variants": {"paci": {}}}, "equal_budget": {"variants": {}}}
         saved.write_text(json.dumps(old))

@@ -78,6 +78,18 @@ def base_flags(cfg: RaceConfig) -> tuple[list[str], int]:
     return [*demo_flags(cfg.steps, cfg.rounds), "--eval-every", str(every), *cfg.train], every
 
 
+def load_check(path: Path) -> dict[str, Any]:
+    """The ``projection_check`` of a race run with ``--check-projection`` (its JSON at ``path``)."""
+    saved = json.loads(Path(path).read_text())
+    check = saved.get("projection_check") or saved.get("equal_steps", {}).get("projection_check")
+    if check is None:
+        raise ValueError(
+            f"--projection-from {path} holds no projection check: give the JSON of a race run "
+            "with --check-projection"
+        )
+    return dict(check)
+
+
 def options(cfg: RaceConfig, runtime: str) -> RaceOptions:
     """The race's options, refused where they cannot work, before any run starts."""
     if cfg.check_projection and runtime != "dist":
@@ -89,17 +101,7 @@ def options(cfg: RaceConfig, runtime: str) -> RaceOptions:
         raise ValueError(
             "--transfers uses a checked race's measured send cost: give --projection-from FILE"
         )
-    check = None
-    if cfg.projection_from is not None:
-        saved = json.loads(Path(cfg.projection_from).read_text())
-        check = saved.get("projection_check") or saved.get("equal_steps", {}).get(
-            "projection_check"
-        )
-        if check is None:
-            raise ValueError(
-                f"--projection-from {cfg.projection_from} holds no projection check: give the "
-                "JSON of a race run with --check-projection"
-            )
+    check = None if cfg.projection_from is None else load_check(cfg.projection_from)
     transfer_s = check["transfer_s"] if check is not None and cfg.transfers else 0.0
     if cfg.lean_budget and not cfg.equal_budget:
         raise ValueError("--lean-budget shapes the equal-budget race: give --equal-budget too")
@@ -206,7 +208,7 @@ def load_race(path: Path, projection_from: Path | None = None) -> dict[str, Any]
         for row in one["variants"].values():
             row["seeds"] = {int(k): v for k, v in row["seeds"].items()}
     if projection_from is not None:
-        check = options(RaceConfig(projection_from=projection_from), "emulate").projection_error
+        check = load_check(projection_from)
         for one in _races_of(result):
             for label, row in one["variants"].items():
                 if row["clock"] == "projected":
@@ -232,7 +234,7 @@ def verdict_rows(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
                 if label not in one["variants"]:  # a lean budget left it out
                     continue
                 r = one["variants"][label]
-                out[f"{title}_vs_best"] = r["vs_best_median"]
+                out[f"{title}_median"] = r["vs_best_median"]
                 out[f"{title}_reached"] = r["vs_best_reached"]
                 out[f"{title}_interval"] = r["vs_best_interval"]
                 out[f"{title}_final"] = r["final_val_mean"]

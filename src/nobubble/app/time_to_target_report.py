@@ -159,13 +159,7 @@ def format_verdicts(rows: Sequence[Mapping[str, Any]]) -> str:
     schedule's final loss over that schedule's own time, at equal steps and equal budget."""
 
     def ratio(row: Mapping[str, Any], title: str) -> str:
-        if f"{title}_vs_best" not in row:
-            return "-"
-        median, (k, n), bar = row[f"{title}_vs_best"], row[f"{title}_reached"], row[f"{title}_bar"]
-        if median is None:
-            return f"not reached (0/{n})"
-        plus = "" if bar is None else f" ±{bar * median:.3f}"
-        return f"{median:.3f}{plus} ({k}/{n})"
+        return _median(row, title, row[f"{title}_bar"]) if f"{title}_median" in row else "-"
 
     header = ["race", "P", "M", "optimizer", "best sync", "variant", "clock"]
     header += ["final val (equal steps)", "vs best: equal steps", "vs best: equal budget"]
