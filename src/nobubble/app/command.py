@@ -12,9 +12,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from nobubble.app.train.flags import build_train_parser, config_from_args
 from nobubble.core.errors import MissingExtra, NobubbleError
+
+if TYPE_CHECKING:
+    from nobubble.app.train.trainer import RunResult
 
 
 def train_main(argv: Sequence[str]) -> int:
@@ -27,24 +31,30 @@ def train_main(argv: Sequence[str]) -> int:
     tune_host_allocator()  # this process trains: keep freed memory between steps
     if cfg.runtime.runtime == "dist":  # imported only when asked for
         if "RANK" in os.environ:  # one rank, started by torchrun or by our launcher
+            from nobubble.app.ranks.rank_env import leave_process
             from nobubble.app.ranks.runtime import run_rank
 
             rank_result = run_rank(cfg)
-            if rank_result is None or os.environ.get("NOBUBBLE_LAUNCHED"):
-                return 0  # only the last rank reports, or the launcher does
-            result = rank_result
-        else:
-            from nobubble.app.ranks.launch import launch
+            # only the last rank reports, or the launcher does
+            if rank_result is not None and not os.environ.get("NOBUBBLE_LAUNCHED"):
+                _print_summary(rank_result, args.json)
+            leave_process(0)  # no interpreter finalization: see its docstring
+        from nobubble.app.ranks.launch import launch
 
-            result = launch(cfg, list(argv))
+        result = launch(cfg, list(argv))
     else:
         from nobubble.app.train.trainer import Trainer
 
         result = Trainer(cfg).run()
+    _print_summary(result, args.json)
+    return 0
+
+
+def _print_summary(result: RunResult, as_json: bool) -> None:
     summary = result.summary
-    if args.json:
+    if as_json:
         print(json.dumps({"run_dir": str(result.run_dir), **summary}))
-        return 0
+        return
     out = sys.stdout
     print(f"run directory: {result.run_dir}", file=out)
     for key in (
@@ -73,7 +83,6 @@ def train_main(argv: Sequence[str]) -> int:
         print(f"  {key:<22} {value}", file=out)
     if summary.get("sample"):
         print("sample:\n" + summary["sample"], file=out)
-    return 0
 
 
 def _rank_prefix() -> str:

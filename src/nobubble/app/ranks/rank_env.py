@@ -1,13 +1,17 @@
 """What a rank knows of its world before its run: its place (``RankEnv``, from the launcher's
-environment) and the check that every rank was started with the same configuration."""
+environment), the check that every rank was started with the same configuration, and how a
+rank's process ends once its run is done (``leave_process``)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -57,7 +61,23 @@ def check_same_config(cfg: TrainConfig, world_size: int, group: dist.ProcessGrou
     )
 
 
+def leave_process(status: int = 0) -> NoReturn:
+    """End a rank's process after its run, without interpreter finalization.
+
+    The run's process groups are destroyed and their reference cycles collected before this
+    (``shutdown``), but a gloo thread that outlives them, or a C++ thread object destroyed at
+    exit, can still abort a finishing process with SIGABRT ("terminate called without an active
+    exception": docs/runtime.md). A rank has nothing left for finalization to do: its run
+    directory or result file is written and closed. Flush what is buffered and leave."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader that left, a closed stream
+            stream.flush()
+    os._exit(status)
+
+
 __all__ = [
     "RankEnv",
     "check_same_config",
+    "leave_process",
 ]

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nobubble.app.ranks.launch import _watch, free_port, rank_env
+from nobubble.app.ranks.rank_env import leave_process
 from nobubble.core.comm import check_communication
 from nobubble.core.ir import Schedule
 from nobubble.core.schedules import build_schedule
@@ -304,3 +305,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process(0)  # no interpreter finalization (rank_env.leave_process)

@@ -57,6 +57,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from nobubble.app.ranks.launch import _watch, free_port, rank_env
 from nobubble.app.ranks.peer_stage import ActivationMeter, PeerStage, Span, TimedStage
+from nobubble.app.ranks.rank_env import leave_process
 from nobubble.app.train.assemble import load_data, make_model, make_plan
 from nobubble.app.train.config import TrainConfig
 from nobubble.core.errors import NobubbleError
@@ -364,4 +365,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_process(main())  # no interpreter finalization (rank_env.leave_process)
