@@ -176,3 +176,24 @@ def test_nadam_delay_refuses_a_beta1_above_the_one_the_delay_moves_toward():
             optimizer="nadam-delay",
             optimizer_options={"betas": (0.995, 0.999)},
         )
+
+
+def test_the_betas_flag_reaches_the_optimizer_and_a_bad_pair_is_refused():
+    """``nobubble train --betas B1,B2`` (the command line's way to the beta1 that nadam-delay's
+    delay raises toward 0.99): the stage's optimizer gets that pair; "auto" leaves the entry's
+    own (0.99, 0.999); a pair out of [0, 1) is refused naming the flag and the fix."""
+    from nobubble.app.train.flags import build_train_parser, config_from_args
+    from nobubble.optim import build_optimizer
+
+    def betas_of(*flags: str) -> tuple[float, float]:
+        cfg = config_from_args(
+            build_train_parser().parse_args(["--optimizer", "nadam-delay", *flags])
+        )
+        stage = build_optimizer(cfg.optim_config(), nn.Linear(2, 2).named_parameters())
+        (part,) = stage.parts.values()
+        return tuple(part.param_groups[0]["betas"])
+
+    assert betas_of("--betas", "0.8,0.95") == (0.8, 0.95)
+    assert betas_of() == (0.99, 0.999)
+    with pytest.raises(ValueError, match=r"--betas '0.9,1.0' is not a pair .* give B1,B2"):
+        betas_of("--betas", "0.9,1.0")

@@ -17,14 +17,14 @@ from nobubble.app.train.flags import FLAG_NAMES, build_train_parser
 from nobubble.cli import build_parser
 
 TRAIN_FLAGS = """
---accum --activation-checkpointing --backend --bucket-mb --checkpoint-every --clip --clip-scope
---compile --config --correction --data --data-parallel --delay-lr-steps --device --dist-timeout
---dtype --ef-lambda --eval-batches --eval-every --from-json --from-torch-csv --fused-adamw
---fused-grad-accumulation --help --json --lr --master-port --micro-batch-size --microbatches
---min-lr-ratio --model --momentum --no-progress --optimizer --out --paci-recompute --resume
---runtime --sample-tokens --schedule --seed --selective-every --seq-len --shard --stages --steps
---stop-at --strict-p2p --sync-warmup --text-column --threads --tokenizer --untie-embeddings
---virtual-stages --vocab-size --warmup-frac --weight-decay
+--accum --activation-checkpointing --backend --betas --bucket-mb --checkpoint-every --clip
+--clip-scope --compile --config --correction --data --data-parallel --delay-lr-steps --device
+--dist-timeout --dtype --ef-lambda --eval-batches --eval-every --from-json --from-torch-csv
+--fused-adamw --fused-grad-accumulation --help --json --lr --master-port --micro-batch-size
+--microbatches --min-lr-ratio --model --momentum --no-progress --optimizer --out --paci-recompute
+--resume --runtime --sample-tokens --schedule --seed --selective-every --seq-len --shard --stages
+--steps --stop-at --strict-p2p --sync-warmup --text-column --threads --tokenizer
+--untie-embeddings --virtual-stages --vocab-size --warmup-frac --weight-decay
 """
 
 COMMAND_FLAGS = {

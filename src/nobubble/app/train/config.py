@@ -35,6 +35,7 @@ from nobubble.app.train.sections import (
     check_choice,
     check_port,
     check_positive,
+    parse_betas,
 )
 from nobubble.core.schedule_spec import ScheduleSpec, check_one_schedule
 from nobubble.data import DataConfig
@@ -165,6 +166,7 @@ class TrainConfig:
             lr=partial(lr_at, total_steps=steps, cfg=self.optim_config()),
             optimizer_options={
                 "weight_decay": recipe.weight_decay,
+                "betas": parse_betas(recipe.betas),
                 "momentum": recipe.momentum,
                 "fused_adamw": recipe.fused_adamw,
             },
@@ -247,6 +249,7 @@ class TrainConfig:
             name=recipe.optimizer,
             lr=recipe.lr,
             weight_decay=recipe.weight_decay,
+            betas=parse_betas(recipe.betas),
             momentum=recipe.momentum,
             warmup_frac=recipe.warmup_frac,
             min_lr_ratio=recipe.min_lr_ratio,

@@ -24,6 +24,8 @@ HELP = {
     "text_column": "the column (jsonl: field) of parquet, jsonl or arrow documents holding text",
     "eval_every": "validate (and drain async schedules) every K steps",
     "checkpoint_every": "checkpoint every K steps (multiple of --eval-every; 0: at the end)",
+    "betas": "B1,B2 of the Adam family and Lion (nadam-delay: beta1 rises with each stage's delay "
+    "up to 0.99), or auto: the optimizer's own pair",
     "fused_adamw": "true: AdamW (also Muon's AdamW side) in torch's fused kernel, no per-tensor "
     "scratch in the step; last-bit different results",
     "resume": "continue the run in this directory from its last checkpoint",

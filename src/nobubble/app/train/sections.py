@@ -16,13 +16,14 @@ GPT2_VOCAB_SIZE = 50257  # --tokenizer gpt2 fixes the vocabulary, whatever --voc
 @dataclass(frozen=True, kw_only=True)
 class RecipeSpec:
     """optimizer: a registered name. lr: the peak learning rate (linear warm-up over
-    warmup_frac of the steps, cosine to min_lr_ratio of it); weight_decay, momentum,
-    fused_adamw: the optimizer's (``OptimConfig``). clip: 0 disables; clip_scope: the
-    ``OptimizerSpec``'s."""
+    warmup_frac of the steps, cosine to min_lr_ratio of it); weight_decay, betas, momentum,
+    fused_adamw: the optimizer's (``OptimConfig``; betas "B1,B2", or "auto" for the entry's own
+    pair). clip: 0 disables; clip_scope: the ``OptimizerSpec``'s."""
 
     optimizer: str = "adamw"
     lr: float = 3e-3
     weight_decay: float = 0.1
+    betas: str = "auto"
     warmup_frac: float = 0.1
     min_lr_ratio: float = 0.1
     momentum: float = 0.95
@@ -107,6 +108,25 @@ class LaunchSpec:
     strict_p2p: bool = False
 
 
+def parse_betas(value: object) -> tuple[float, float] | None:
+    """``--betas``: "auto" (None: the optimizer's own pair) or "B1,B2", each in [0, 1) (a config
+    file may give a list of two numbers)."""
+    if value == "auto":
+        return None
+    parts = value.split(",") if isinstance(value, str) else value
+    try:
+        if isinstance(parts, (list, tuple)) and len(parts) == 2:
+            betas = float(parts[0]), float(parts[1])
+            if all(0.0 <= b < 1.0 for b in betas):
+                return betas
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(
+        f"--betas {value!r} is not a pair of numbers in [0, 1): give B1,B2 (for example "
+        "0.9,0.95), or auto for the optimizer's own pair"
+    )
+
+
 def check_port(port: object) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(
@@ -136,4 +156,5 @@ __all__ = [
     "check_choice",
     "check_port",
     "check_positive",
+    "parse_betas",
 ]
