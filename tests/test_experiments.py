@@ -244,8 +244,9 @@ def test_a_failed_run_names_its_status_and_the_end_of_its_log(tmp_path):
 
 
 GRID_SCRIPT = """
-import sys
+import signal, sys
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &` from a script
 from nobubble.app.experiments import grids, runner
 spec = runner.RunSpec("endless", {"steps": 100_000, "eval_every": 50_000})
 runner.run_grid([spec], grids.QUICK.base, Path(sys.argv[1]), progress=False)
@@ -267,7 +268,10 @@ def _holding(path) -> list[int]:
 
 def test_a_grid_stopped_by_sigterm_stops_its_runs(tmp_path):
     """SIGTERM to a grid (a scheduler's stop, `kill`): the run it had started gets Ctrl-C, stops
-    (resumable from its checkpoint) and leaves no process behind; the grid exits with 143."""
+    (resumable from its checkpoint) and leaves no process behind; the grid exits with 143. The
+    grid ignores SIGINT, as a background job of a script does: its runs must stop all the same
+    (they inherit the disposition; killed after the grace period, they would not say
+    "interrupted")."""
     runs = tmp_path / "runs"
     grid = subprocess.Popen([sys.executable, "-c", GRID_SCRIPT, str(runs)])
     try:

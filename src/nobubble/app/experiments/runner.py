@@ -87,7 +87,13 @@ PRELOAD = [
 
 def _train_child(config_file: str, log_file: str, env: dict[str, str]) -> None:
     """In the forked process: ``nobubble train --config FILE``, its output in ``log_file``, with
-    the caller's environment of now (the server's is that of its start)."""
+    the caller's environment of now (the server's is that of its start).
+
+    Ctrl-C raises KeyboardInterrupt here whatever this process inherited: ``stop_runs`` stops a
+    run with SIGINT, and a grid started where SIGINT is ignored (``nohup ... &`` from a script:
+    the shell ignores it for background jobs, and Python then leaves it ignored) would otherwise
+    leave its runs to be killed after the grace period instead of stopping them."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
