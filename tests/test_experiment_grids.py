@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import re
-from pathlib import Path
 
 import pytest
 
@@ -15,36 +14,17 @@ from nobubble.app.experiments import (
     runner,
     stats,
 )
+from nobubble.app.experiments.experiment import GRIDS
 from nobubble.app.experiments.runner import RunSpec
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-
-# Paper A (arXiv 2606.30634), Table 2 at 360M: sync | EF | sync start | standard 2BW.
-ISSUE_TABLE2 = {
-    "adamw": (2.612, 2.640, 2.658, 2.890),
-    "muon": (2.578, 2.583, 2.589, 2.590),
-    "lion": (2.624, 2.642, 2.639, 2.654),
-    "nadam": (2.651, 2.703, 2.695, 2.694),
-    "soap": (2.581, 2.590, 2.602, 2.608),
-}
-
-
 # ----- grids -----------------------------------------------------------------------------------
-MAKERS = {
-    "delay-vs-optimizer": grids.delay_vs_optimizer,
-    "error-feedback": grids.error_feedback,
-    "depth": grids.depth,
-    "paci": grids.paci,
-    "lr-gap": grids.lr_gap,
-    "corrections": grids.corrections,
-}
 
 
 @pytest.mark.parametrize("profile", [grids.FULL, grids.LONG], ids=["short", "long"])
 def test_every_verdict_pair_has_enough_seeds_in_the_full_grids(profile):
     lrs = {opt: profile.lr_grid[opt][0] for opt in profile.optimizers}
     assert profile.seeds >= stats.MIN_SEEDS
-    for make in [MAKERS[e] for e in profile.experiments]:
+    for make in [GRIDS[e] for e in profile.experiments]:
         seeds: dict[tuple, set[int]] = {}
         for spec in make(profile, lrs, profile.seeds):
             labels = dict(spec.labels)
