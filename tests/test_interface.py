@@ -42,8 +42,8 @@ COMMAND_FLAGS = {
     "bench runtime": "--allocator --data-parallel --grad-mb --help --json --micro-batch-size "
     "--microbatches --model --optimizer --rounds --schedule --seq-len --stages --steps "
     "--synthetic --threads --virtual-stages --vocab-size",
-    "bench time-to-target": "--check-projection --equal-budget --eval-every --help --json "
-    "--lean-budget --out "
+    "bench time-to-target": "--against --check-projection --equal-budget --eval-every --help "
+    "--json --lean-budget --out "
     "--projection-from --rounds --seeds --show --steps --sync --train --transfers --tune "
     "--tune-factor --tune-points --tune-seeds --variants",
     "bench memory": "--activation-checkpointing --allocator --data --fused-adamw "

@@ -255,3 +255,23 @@ def test_a_lean_budget_keeps_the_tuned_lrs_and_drops_the_slower_synchronous_sche
     kept = _lean(variants, {"baseline": "zbv", "tuning": tuning})
     assert [v.label for v in kept] == ["1f1b", "paci", "paci:ef", "zbv"]
     assert [v.tuned_lr for v in kept] == [tuning[v.label]["chosen"] for v in kept]
+
+
+def test_shown_against_another_schedule_every_ratio_is_taken_against_its_run(tmp_path):
+    """``--show FILE --against 1f1b``: the ratios against 1f1b's run although zbv is the best
+    synchronous schedule, per seed from the saved curves; an unknown schedule is refused."""
+    from nobubble.app.time_to_target_bench import load_race, rebase
+
+    saved = tmp_path / "race.json"
+    saved.write_text(json.dumps(_race(tmp_path / "runs")))
+    shown = rebase(load_race(saved), "1f1b")
+    assert shown["baseline"] == "1f1b" and shown["best_synchronous"]["best"] == "zbv"
+    paci = shown["variants"]["paci"]
+    reached = 12 + 6 * 0.2 / 0.3  # 3.2 at 12 s, 2.9 at 18 s: 1f1b's 3.0 two thirds on
+    assert paci["seeds"][0]["vs_best"] == pytest.approx(reached / 30, rel=1e-4)
+    assert paci["vs_best_reached"] == [1, 2]
+    # zbv ends 2e-6 above 1f1b, within the allowance: it reaches 1f1b's loss at its own end
+    assert shown["variants"]["zbv"]["vs_best_median"] == pytest.approx(24 / 30, rel=1e-4)
+    assert "target: each seed's 1f1b final validation loss (--against)" in format_race(shown)
+    with pytest.raises(ValueError, match="--against zb-h1: not a schedule of this race"):
+        rebase(load_race(saved), "zb-h1")

@@ -29,6 +29,7 @@ from nobubble.app.time_to_target import (
 from nobubble.app.time_to_target_race import (
     EMULATED,
     RaceOptions,
+    against,
     equal_budget,
     race,
     summarize,
@@ -215,6 +216,17 @@ def load_race(path: Path, projection_from: Path | None = None) -> dict[str, Any]
                     variant = Variant.parse(label)
                     row["error_bar"] = error_bar(check, variant, one.get("transfer_s", 0.0))
     return result
+
+
+def rebase(result: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """A loaded race (``load_race``) with every ratio against ``label``'s equal-steps run
+    (``time_to_target_race.against``): the equal-budget race's variants too, against the same
+    reference run, so "reached" means within the best synchronous schedule's budget."""
+    if "equal_budget" not in result:
+        return against(result, result, label)
+    same = against(result["equal_steps"], result["equal_steps"], label)
+    budget = against(result["equal_budget"], result["equal_steps"], label)
+    return {**result, "equal_steps": same, "equal_budget": budget}
 
 
 def verdict_rows(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -316,3 +316,25 @@ def summarize(
         "transfer_s": options.transfer_s,
         "variants": rows,
     }
+
+
+def against(race: Mapping[str, Any], reference: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """``race`` (a ``summarize`` output, its seeds' keys ints) with every ratio taken against
+    ``label``'s run in ``reference`` (the equal-steps race, where every synchronous schedule
+    ran) instead of the best synchronous schedule's: each variant's time to that run's final
+    loss over the run's own time, per seed and across seeds, from the saved curves. The
+    question "against zbv" at P=2, where zbv is not the fastest. 1f1b's columns stay."""
+    if label not in reference["variants"]:
+        raise ValueError(
+            f"--against {label}: not a schedule of this race (it has "
+            f"{', '.join(reference['variants'])})"
+        )
+    base = reference["variants"][label]["seeds"]
+    f1b = reference["variants"][BASELINE]["seeds"]
+    rows = {}
+    for name, row in race["variants"].items():
+        per = {s: _seed_row(r, base[s], f1b[s]) for s, r in row["seeds"].items()}
+        kept = {k: row[k] for k in ("clock", "leaves_out", "error_bar") if k in row}
+        rows[name] = new = {"seeds": per, **kept}
+        _aggregate(new)
+    return {**race, "baseline": label, "variants": rows}

@@ -67,10 +67,13 @@ def format_race(result: Mapping[str, Any]) -> str:
     lines = [_line(label, row, seeds, best) for label, row in result["variants"].items()]
     text = _table(header, lines)
     own = result["best_synchronous"]["own_final_s"]
+    fastest = result["best_synchronous"]["best"]
     text.append(
-        f"best synchronous: {best} (median time to its own final loss "
+        f"best synchronous: {fastest} (median time to its own final loss "
         + ", ".join(f"{k} {v:.1f} s" for k, v in own.items())
-        + f"); target: each seed's {best} final validation loss; training clock, seeds "
+        + f"); target: each seed's {best} final validation loss"
+        + ("" if best == fastest else " (--against)")
+        + "; training clock, seeds "
         + ", ".join(map(str, seeds))
     )
     for name, reason in result.get("skipped", {}).items():

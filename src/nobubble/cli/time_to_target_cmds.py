@@ -72,12 +72,14 @@ def print_race(result: dict[str, Any], equal_budget: bool) -> None:
 def show_races(args: argparse.Namespace) -> int:
     """``--show FILE[,FILE...]``: saved races printed again (one: its tables; several: one row
     per race and variant), with ``--projection-from``'s error bars; nothing trains."""
-    from nobubble.app.time_to_target_bench import load_race, verdict_rows
+    from nobubble.app.time_to_target_bench import load_race, rebase, verdict_rows
     from nobubble.app.time_to_target_report import format_verdicts
 
     check = None if args.projection_from is None else Path(args.projection_from)
     files = [Path(f) for f in args.show.split(",") if f.strip()]
     results = {f.stem: load_race(f, check) for f in files}
+    if args.against:
+        results = {name: rebase(result, args.against) for name, result in results.items()}
     if args.json:
         print(json.dumps(results if len(files) > 1 else results[files[0].stem]))
     elif len(files) == 1:
@@ -93,6 +95,8 @@ def cmd_bench_time_to_target(args: argparse.Namespace) -> int:
 
     if args.show is not None:
         return show_races(args)
+    if args.against is not None:
+        raise ValueError(f"--against {args.against}: it reads saved races; give --show FILE too")
     result = run_race(race_config(args))
     if args.json:
         print(json.dumps(result))
@@ -162,6 +166,13 @@ def add_time_to_target(bench: argparse._SubParsersAction) -> None:
         metavar="FILE[,FILE...]",
         help="print saved races (their --json output) again instead of training: one file, its "
         "tables; several, one row per race and variant; with --projection-from, its error bars",
+    )
+    q.add_argument(
+        "--against",
+        default=None,
+        metavar="SCHEDULE",
+        help="(--show) take every ratio against SCHEDULE's equal-steps run (e.g. zbv) instead "
+        "of the best synchronous schedule's: each variant's time to its final loss over its own",
     )
     q.set_defaults(func=cmd_bench_time_to_target)
 
