@@ -330,7 +330,7 @@ def against(race: Mapping[str, Any], reference: Mapping[str, Any], label: str) -
             f"{', '.join(reference['variants'])})"
         )
     base = reference["variants"][label]["seeds"]
-    f1b = reference["variants"][BASELINE]["seeds"]
+    f1b = race["variants"][BASELINE]["seeds"]  # the race's own 1f1b, as the race took it
     rows = {}
     for name, row in race["variants"].items():
         per = {s: _seed_row(r, base[s], f1b[s]) for s, r in row["seeds"].items()}
