@@ -241,6 +241,7 @@ def verdict_rows(results: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any
         for label in first["variants"]:
             out: dict[str, Any] = {"race": name, "variant": label}
             out |= {k: first.get(k) for k in ("stages", "microbatches", "baseline")}
+            out["best_sync"] = first.get("best_synchronous", {}).get("best", out["baseline"])
             out["optimizer"] = first.get("optimizer", "?")  # races before it was recorded: ?
             for title, one in zip(("steps", "budget"), races, strict=False):
                 if label not in one["variants"]:  # a lean budget left it out

@@ -164,8 +164,10 @@ def format_verdicts(rows: Sequence[Mapping[str, Any]]) -> str:
     def ratio(row: Mapping[str, Any], title: str) -> str:
         return _median(row, title, row[f"{title}_bar"]) if f"{title}_median" in row else "-"
 
-    header = ["race", "P", "M", "optimizer", "best sync", "variant", "clock"]
-    header += ["final val (equal steps)", "vs best: equal steps", "vs best: equal budget"]
+    against = {r["baseline"] for r in rows} != {r["best_sync"] for r in rows}
+    base = "against" if against else "best sync"  # --against: the schedule every ratio is to
+    header = ["race", "P", "M", "optimizer", base, "variant", "clock"]
+    header += ["final val (equal steps)", f"vs {base}: equal steps", f"vs {base}: equal budget"]
     lines = [
         [
             str(r["race"]),
