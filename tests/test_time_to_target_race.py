@@ -260,7 +260,8 @@ def test_a_lean_budget_keeps_the_tuned_lrs_and_drops_the_slower_synchronous_sche
 def test_shown_against_another_schedule_every_ratio_is_taken_against_its_run(tmp_path):
     """``--show FILE --against 1f1b``: the ratios against 1f1b's run although zbv is the best
     synchronous schedule, per seed from the saved curves; an unknown schedule is refused."""
-    from nobubble.app.time_to_target_bench import load_race, rebase
+    from nobubble.app.time_to_target_bench import load_race, rebase, verdict_rows
+    from nobubble.app.time_to_target_report import format_verdicts
 
     saved = tmp_path / "race.json"
     saved.write_text(json.dumps(_race(tmp_path / "runs")))
@@ -273,9 +274,6 @@ def test_shown_against_another_schedule_every_ratio_is_taken_against_its_run(tmp
     # zbv ends 2e-6 above 1f1b, within the allowance: it reaches 1f1b's loss at its own end
     assert shown["variants"]["zbv"]["vs_best_median"] == pytest.approx(24 / 30, rel=1e-4)
     assert "target: each seed's 1f1b final validation loss (--against)" in format_race(shown)
-    from nobubble.app.time_to_target_bench import verdict_rows
-    from nobubble.app.time_to_target_report import format_verdicts
-
     header = format_verdicts(verdict_rows({"race": shown})).splitlines()[0]
     assert "against" in header and "best sync" not in header  # the column names what it is
     with pytest.raises(ValueError, match="--against zb-h1: not a schedule of this race"):
